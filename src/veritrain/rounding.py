@@ -1,0 +1,227 @@
+"""Rounding float64 results onto the model's grid, and finding the results that sit near a midpoint.
+
+The grid is float32 with its lowest ``32 - bits`` mantissa bits forced to zero (``bits = 32`` is plain
+float32, as in the paper's "rounding amount" b). Every value is rounded to the nearest grid point, ties
+to the even one. Subnormals follow the same rule on their bit pattern; values past the largest grid
+point round to infinity exactly as an IEEE conversion would.
+
+The trainer also asks, for each result y, whether another correct float64 implementation could round it
+the other way. With an error bound ``tau`` on |y - y'| (see ``rules.py`` for where it comes from):
+
+* ``direction`` entry: y lies within ``tau`` of a midpoint between two grid points; we log which
+  neighbour we took (1 = the one of larger magnitude).
+* ``value`` entry: ``tau`` is not small against the grid spacing at y (at least 1/8 of a cell), so the
+  cell itself is not determined (a mathematically-zero result made of rounding noise, say); we log the
+  grid value.
+
+The bulk test works on float64 bit patterns: for y in float32's normal range, the low ``29 + drop``
+bits of the float64 significand are y's position inside its grid cell, in float64 ulps of y. Elements
+that pass the cheap test (a superset) are classified exactly on the few survivors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+UNIT_ROUNDOFF = 2.0**-53  # u for float64: |fl(x) - x| <= u |x|
+FLOAT32_MIN_NORMAL = 2.0**-126
+_INT64 = torch.int64
+
+
+class Grid:
+    """The set of float32 values whose lowest ``32 - bits`` mantissa bits are zero."""
+
+    def __init__(self, bits: int = 32):
+        if not isinstance(bits, int) or not 23 <= bits <= 32:
+            raise ValueError(f"rounding amount must be an integer in 23..32, got {bits!r}")
+        self.bits = bits
+        self.drop = 32 - bits
+        # float64 significand bits below the grid's last bit, for values in float32's normal range
+        self.cell_bits = 29 + self.drop
+        self.low_mask = (1 << self.cell_bits) - 1
+        self.half = 1 << (self.cell_bits - 1)
+        # tau >= cell/8 means the cell is undetermined (value entry); in float64-ulp units of y
+        self.value_units = 1 << (self.cell_bits - 3)
+        self.min_spacing = 2.0 ** (-149 + self.drop)
+
+    def __repr__(self) -> str:
+        return f"Grid(bits={self.bits})"
+
+    # --- rounding -------------------------------------------------------------------------------
+
+    def round(self, y: torch.Tensor) -> torch.Tensor:
+        """Round a float64 tensor to the grid; returns float32 (same shape and layout)."""
+        if y.dtype != torch.float64:
+            y = y.to(torch.float64)
+        if self.drop == 0:
+            return y.to(torch.float32)
+        bits = y.view(_INT64)
+        # round-to-nearest-even at bit ``cell_bits`` of the significand; a carry moves to the next binade
+        odd = torch.bitwise_right_shift(bits, self.cell_bits).bitwise_and_(1)
+        rounded = (bits + (self.half - 1)).add_(odd).bitwise_and_(~self.low_mask)
+        out = rounded.view(torch.float64)
+        tiny = y.abs() < FLOAT32_MIN_NORMAL
+        if bool(tiny.any()):
+            # below float32's normal range the grid spacing is fixed
+            sub = torch.round(y[tiny] / self.min_spacing) * self.min_spacing
+            out = out.clone()
+            out[tiny] = sub
+        out = torch.where(torch.isnan(y), y, out)
+        return out.to(torch.float32)
+
+    def round_scalar(self, x: float) -> float:
+        return float(self.round(torch.tensor([x], dtype=torch.float64))[0])
+
+    def on_grid(self, v: torch.Tensor) -> torch.Tensor:
+        """Which float32 values lie on this grid (non-finite values count as on it)."""
+        v = v.to(torch.float32)
+        if self.drop == 0:
+            return torch.ones_like(v, dtype=torch.bool)
+        return (v.view(torch.int32) & ((1 << self.drop) - 1) == 0) | ~torch.isfinite(v)
+
+    # --- exact neighbourhood of a value (used on the few candidates) ----------------------------
+
+    def cell(self, y: torch.Tensor):
+        """For float64 ``y``: (lower, upper, spacing) of the grid cell containing |y|, in magnitude."""
+        ay = y.abs()
+        _, e = torch.frexp(ay)  # ay = m * 2**e with m in [0.5, 1)
+        e = torch.where(ay == 0, torch.full_like(e, -1000), e)
+        exponent = torch.clamp(e - 1, min=-126) - 23 + self.drop
+        spacing = power_of_two(exponent)
+        lower = torch.floor(ay / spacing) * spacing
+        return lower, lower + spacing, spacing
+
+    def classify(self, y: torch.Tensor, tau: torch.Tensor):
+        """Exact decision for candidate elements.
+
+        Returns (is_value, is_direction, away) as bool tensors: whether the element needs a value
+        entry, a direction entry, and whether rounding ``y`` to nearest-even went away from zero.
+        """
+        lower, upper, spacing = self.cell(y)
+        ay = y.abs()
+        mid = lower + spacing / 2
+        finite = torch.isfinite(y) & (ay < 2.0**128)
+        is_value = finite & (tau >= spacing / 8)
+        is_direction = finite & ~is_value & ((ay - mid).abs() < tau)
+        rounded = self.round(y).to(torch.float64).abs()
+        away = rounded > ay
+        return is_value, is_direction, away
+
+    def apply_direction(self, y: torch.Tensor, away: torch.Tensor) -> torch.Tensor:
+        """Round float64 ``y`` to the lower or upper (in magnitude) neighbour of its cell."""
+        lower, upper, _ = self.cell(y)
+        mag = torch.where(away, upper, lower)
+        return torch.copysign(mag, y).to(torch.float32)
+
+    def midpoint_distance(self, y: torch.Tensor) -> torch.Tensor:
+        """|y - midpoint of its cell|, exact, float64."""
+        lower, _, spacing = self.cell(y)
+        return (y.abs() - (lower + spacing / 2)).abs()
+
+    def spacing_at(self, y: torch.Tensor) -> torch.Tensor:
+        return self.cell(y)[2]
+
+    # --- the bulk test --------------------------------------------------------------------------
+
+    def candidates(self, y: torch.Tensor, scale: torch.Tensor | float, c: float) -> torch.Tensor:
+        """Boolean mask, a superset of the elements that need a log entry for tau = c*u*scale.
+
+        In float64-ulp units of y, tau is below ``c scale / |y|``; an element is a candidate if its
+        distance to the midpoint (clamped at the value-entry level) is below that, or if |y| is below
+        float32's normal range, where the bit test does not apply.
+        """
+        return _candidates(y, scale, c, self)
+
+
+def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """2.0**exponent as float64, built from the bit pattern (exact; exponent in -1022..1023)."""
+    return (exponent.to(_INT64) + 1023).bitwise_left_shift_(52).view(torch.float64)
+
+
+def _candidates_eager(y, scale, c2: float, low_mask: int, half: int, value_units: int):
+    bits = y.view(_INT64)
+    dev = torch.bitwise_and(bits, low_mask).sub_(half).abs_().clamp_(max=value_units)
+    ay = y.abs()
+    lhs = dev.to(torch.float64).mul_(ay)
+    cand = lhs < scale * c2 if isinstance(scale, torch.Tensor) else lhs < (scale * c2)
+    return cand.logical_or_(ay < FLOAT32_MIN_NORMAL)
+
+
+_compiled = None
+_COMPILE_MIN_NUMEL = int(os.environ.get("VERITRAIN_COMPILE_MIN_NUMEL", 1 << 20))
+
+
+def _compile_mode() -> str:
+    return os.environ.get("VERITRAIN_COMPILE", "auto")
+
+
+def _candidates(y, scale, c, grid: Grid):
+    # tau / ulp64(y) = c * u * scale / ulp64(y) < c * scale / |y|, because ulp64(y) > u * |y|
+    c2 = float(c)
+    if not isinstance(scale, torch.Tensor) or scale.shape != y.shape:
+        scale = torch.as_tensor(scale, dtype=torch.float64, device=y.device).expand(y.shape)
+    y = y.contiguous()
+    scale = scale.contiguous()
+    mode = _compile_mode()
+    if mode != "0" and (mode == "1" or y.numel() >= _COMPILE_MIN_NUMEL):
+        fn = _get_compiled()
+        if fn is not None:
+            return fn(y.reshape(-1), scale.reshape(-1), c2, grid.low_mask, grid.half,
+                      grid.value_units).view(y.shape)
+    return _candidates_eager(y, scale, c2, grid.low_mask, grid.half, grid.value_units)
+
+
+def _get_compiled():
+    """A fused kernel of the same computation (torch.compile), or None if it cannot be built here."""
+    global _compiled
+    if _compiled is None:
+        try:
+            fn = torch.compile(_candidates_eager, dynamic=True)
+            probe = torch.tensor([1.0, 0.0, 1.5], dtype=torch.float64)
+            fn(probe, probe, 2.0, (1 << 29) - 1, 1 << 28, 1 << 26)
+            _compiled = fn
+        except Exception as exc:  # no C++ compiler, unsupported platform, ...
+            import warnings
+
+            warnings.warn(f"veritrain: fused rounding kernel unavailable ({exc}); using eager ops")
+            _compiled = False
+    return _compiled or None
+
+
+# --- exact references (tests and documentation) --------------------------------------------------
+
+
+def reference_round(x, bits: int = 32) -> float:
+    """Round a Python float / Fraction exactly to the b-bit float32 grid (slow, exact)."""
+    from fractions import Fraction
+
+    if isinstance(x, float):
+        if math.isnan(x):
+            return x
+        if math.isinf(x):
+            return x
+    q = Fraction(x)
+    if q == 0:
+        return math.copysign(0.0, x) if isinstance(x, float) else 0.0
+    sign = -1 if q < 0 else 1
+    a = abs(q)
+    drop = 32 - bits
+    # exponent e with 2**e <= a < 2**(e+1)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:
+        e -= 1
+    elif Fraction(2) ** (e + 1) <= a:
+        e += 1
+    spacing_exp = max(e, -126) - 23 + drop
+    spacing = Fraction(2) ** spacing_exp
+    k, rem = divmod(a, spacing)
+    k = int(k)
+    if rem * 2 > spacing or (rem * 2 == spacing and k % 2 == 1):
+        k += 1
+    value = k * spacing
+    if value >= Fraction(2) ** 128:
+        return sign * math.inf
+    return sign * float(value)

@@ -1,0 +1,175 @@
+"""b-bit rounding against an exact reference, and the near-midpoint analysis."""
+
+import math
+import struct
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from veritrain.rounding import UNIT_ROUNDOFF, Grid, reference_round
+
+BITS = list(range(23, 33))
+F32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
+F32_TINY = 2.0**-149
+
+
+def f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def grid_max(b: int) -> float:
+    return f32(0x7F7FFFFF & ~((1 << (32 - b)) - 1))
+
+
+def edge_values(b: int):
+    drop = 32 - b
+    spacing_at_one = 2.0 ** (-23 + drop)
+    vals = [0.0, -0.0, 1.0, -1.0, F32_TINY, -F32_TINY, F32_TINY / 2, F32_TINY * 1.5, 2.0**-126,
+            2.0**-126 * (1 - 2.0**-30), 2.0**-150, 2.0**-149 * 3.5, 1e-300, -1e-300,
+            F32_MAX, grid_max(b), 1e39, -1e39, 2.0**128, 2.0**127 * (2 - 2.0 ** (-24 + drop)),
+            math.inf, -math.inf]
+    # exact ties between grid points, on both sides of zero and at binade crossings
+    for base in [1.0, 1.0 + spacing_at_one, 3.0, 2.0**-100, 2.0**100]:
+        vals += [base + spacing_at_one * base / 2, -(base + spacing_at_one * base / 2)]
+    vals += [2.0 - spacing_at_one / 2, 2.0 - spacing_at_one / 4, 2.0 - spacing_at_one * 0.75]
+    # ties in the subnormal range and the largest value that still rounds to a finite number
+    vals += [2.0 ** (-149 + drop) * 0.5, 2.0 ** (-149 + drop) * 1.5, 2.0 ** (-149 + drop) * 2.5]
+    top_spacing = 2.0 ** (127 - 23 + drop)
+    vals += [grid_max(b) + top_spacing / 2, grid_max(b) + top_spacing / 2 * (1 - 2.0**-40),
+             -(grid_max(b) + top_spacing / 2)]
+    return vals
+
+
+def check_against_reference(values, b):
+    grid = Grid(b)
+    got = grid.round(torch.tensor(values, dtype=torch.float64)).tolist()
+    for x, g in zip(values, got):
+        want = reference_round(x, b)
+        if math.isnan(want):
+            assert math.isnan(g)
+        else:
+            assert g == want, (b, x, g, want)
+            assert math.copysign(1, g) == math.copysign(1, want), (b, x)
+
+
+@pytest.mark.parametrize("b", BITS)
+def test_edge_values_match_exact_reference(b):
+    check_against_reference(edge_values(b), b)
+
+
+def test_nan_stays_nan():
+    for b in BITS:
+        assert math.isnan(Grid(b).round(torch.tensor([math.nan], dtype=torch.float64)).item())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(allow_nan=False, width=64), min_size=1, max_size=50), st.sampled_from(BITS))
+def test_random_values_match_exact_reference(values, b):
+    check_against_reference(values, b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32 - 1), st.sampled_from(BITS))
+def test_grid_values_are_fixed_points(pattern, b):
+    v = f32(pattern)
+    if math.isnan(v):
+        return
+    grid = Grid(b)
+    snapped = reference_round(v, b)
+    r = grid.round(torch.tensor([snapped], dtype=torch.float64)).item()
+    assert r == snapped
+    assert bool(grid.on_grid(torch.tensor([r])).all())
+
+
+def test_b32_is_plain_float32_conversion():
+    x = torch.randn(10000, dtype=torch.float64) * torch.logspace(-40, 38, 10000, dtype=torch.float64)
+    assert torch.equal(Grid(32).round(x), x.to(torch.float32))
+
+
+def test_rejects_bad_bits():
+    for bad in [22, 33, 32.0, "32"]:
+        with pytest.raises(ValueError):
+            Grid(bad)
+
+
+# --- the near-midpoint analysis --------------------------------------------------------------------
+
+
+def exact_classification(y: float, tau: float, b: int):
+    """Reference: (value?, direction?) from exact rational arithmetic."""
+    q = Fraction(y)
+    a = abs(q)
+    drop = 32 - b
+    if a == 0:
+        spacing = Fraction(2) ** (-149 + drop)
+    else:
+        e = a.numerator.bit_length() - a.denominator.bit_length()
+        while Fraction(2) ** e > a:
+            e -= 1
+        while Fraction(2) ** (e + 1) <= a:
+            e += 1
+        spacing = Fraction(2) ** (max(e, -126) - 23 + drop)
+    lower = (a // spacing) * spacing
+    mid = lower + spacing / 2
+    t = Fraction(tau)
+    is_value = t >= spacing / 8
+    is_direction = (not is_value) and abs(a - mid) < t
+    return is_value, is_direction
+
+
+@pytest.mark.parametrize("b", [32, 30, 27, 23])
+def test_classification_matches_exact_reference(b):
+    gen = torch.Generator().manual_seed(b)
+    grid = Grid(b)
+    spacing = 2.0 ** (-23 + 32 - b)
+    # values placed near midpoints, on grid points, and at random
+    base = torch.rand(3000, generator=gen, dtype=torch.float64) + 1.0
+    base32 = grid.round(base).double()
+    near_mid = base32 + spacing * (0.5 + (torch.rand(3000, generator=gen, dtype=torch.float64) - 0.5) * 1e-6)
+    y = torch.cat([near_mid, base32, base, -near_mid, torch.tensor([0.0, 2.0**-140, 1e-30])])
+    tau = torch.rand(y.numel(), generator=gen, dtype=torch.float64) * spacing * 1e-6
+    tau[::97] = spacing  # some with undetermined cells
+    is_value, is_dir, _ = grid.classify(y, tau)
+    for i in range(y.numel()):
+        want = exact_classification(y[i].item(), tau[i].item(), b)
+        assert (bool(is_value[i]), bool(is_dir[i])) == want, (i, y[i].item(), tau[i].item())
+
+
+@pytest.mark.parametrize("b", [32, 28, 23])
+@pytest.mark.parametrize("numel", [1000, 200000])
+def test_bulk_candidates_are_a_superset(b, numel):
+    gen = torch.Generator().manual_seed(numel + b)
+    grid = Grid(b)
+    y = torch.randn(numel, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-45, 30, (numel,), generator=gen)
+    y[::1000] = 0.0
+    y[1::1000] = grid.round(y[1::1000]).double()
+    # plant values exactly near midpoints so direction entries exist
+    y32 = grid.round(y).double()
+    cell = grid.spacing_at(y32)
+    y[2::7] = (y32 + cell / 2 * (1 - 1e-9))[2::7]
+    scale = y.abs() * torch.rand(numel, generator=gen, dtype=torch.float64) * 1e4
+    scale[5::11] = y.abs().max()  # operands much larger than the result: heavy cancellation
+    c = 16.0
+    cand = grid.candidates(y, scale, c)
+    tau = c * UNIT_ROUNDOFF * scale
+    is_value, is_dir, _ = grid.classify(y, tau)
+    needed = is_value | is_dir
+    assert bool((needed & ~cand).sum() == 0), "bulk test missed an element that needs an entry"
+    assert int(is_dir.sum()) > 0 and int(is_value.sum()) > 0
+    # and it is selective: most elements are not candidates
+    assert cand.float().mean().item() < 0.6
+
+
+def test_apply_direction_reproduces_the_trainers_rounding():
+    grid = Grid(32)
+    y = torch.tensor([1.0 + 2.0**-24 * (1 + 1e-9), 1.0 + 2.0**-24 * (1 - 1e-9), -3.0 - 2.0**-23 * (1 + 1e-9)],
+                     dtype=torch.float64)
+    _, _, away = grid.classify(y, torch.full_like(y, 1e-20))
+    assert torch.equal(grid.apply_direction(y, away), grid.round(y))
+    # forcing the other neighbour gives the other grid point
+    other = grid.apply_direction(y, ~away)
+    assert not torch.equal(other, grid.round(y))
+    assert torch.all((other.double() - y).abs() <= grid.spacing_at(y) / 2 * (1 + 1e-6))

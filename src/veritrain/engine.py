@@ -1,0 +1,800 @@
+"""The engine: a TorchDispatchMode that makes a training step reproducible bit for bit.
+
+Inside a step every floating-point value lies on the model's grid (rounding.Grid). Each aten op is
+handled by its row in rules.py:
+
+* passthrough ops run natively;
+* exact ops are one correctly rounded IEEE operation: computed in float64 and rounded (at b = 32 the
+  float32 kernel gives the same bits, because rounding float64 results of +, -, *, / and sqrt to
+  float32 is innocuous, so it runs natively);
+* approx ops are computed in float64 and rounded; the trainer logs the results that sit within the
+  op's threshold of a rounding midpoint, or whose cell is undetermined; the auditor forces those
+  decisions and checks that each entry is plausible;
+* random ops draw from the counter-based generator keyed by (seed, step, op index).
+
+In-place and ``out=`` variants run as their functional op on float64 copies and are copied back;
+ops that mutate arguments (BatchNorm running statistics) are given float64 copies that are rounded and
+written back. Python float scalars are rounded to float32 as float32 kernels do (near-midpoint scalars
+are logged too). User code never sees a dtype change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import randomness, rules
+from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
+from .rounding import UNIT_ROUNDOFF, Grid
+
+aten = torch.ops.aten
+_FLOAT_OK = (torch.float32, torch.float64)
+_REFUSED_DTYPES = (torch.float16, torch.bfloat16, torch.complex64, torch.complex128, torch.complex32)
+# scalars within this relative distance of a float32 midpoint are logged (2**17 float64 ulps)
+SCALAR_THRESHOLD = 2.0**-36
+MAX_SUSPICIOUS_DETAILS = 50
+MODES = ("verified", "nolog", "fp64", "fp32")
+PHASES = ("forward", "backward", "optimizer")
+
+
+class VeritrainError(RuntimeError):
+    """Base class for errors that name what went wrong in a run."""
+
+
+class UnsupportedOpError(VeritrainError):
+    pass
+
+
+class ReplayMismatchError(VeritrainError):
+    """The auditor's op stream differs from the one in the trainer's log."""
+
+
+@dataclass
+class Suspicious:
+    step: int
+    op_index: int
+    op: str
+    slot: int
+    position: int
+    kind: str  # "direction", "value" or "scalar"
+    detail: str
+
+
+@dataclass
+class StepStats:
+    step: int = 0
+    ops: int = 0
+    rounded: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    analysed: int = 0
+    entries_dir: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    entries_val: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    entries_scalar: int = 0
+    corrections: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    suspicious: list = field(default_factory=list)  # the first MAX_SUSPICIOUS_DETAILS, with details
+    suspicious_count: int = 0
+    fallback_ops: set = field(default_factory=set)
+    log: dict | None = None
+
+    @property
+    def rounded_total(self):
+        return sum(self.rounded.values())
+
+    @property
+    def entries_total(self):
+        return sum(self.entries_dir.values()) + sum(self.entries_val.values()) + self.entries_scalar
+
+    @property
+    def corrections_total(self):
+        return sum(self.corrections.values())
+
+    def as_dict(self):
+        return {"step": self.step, "ops": self.ops, "rounded": dict(self.rounded), "analysed": self.analysed,
+                "entries_direction": dict(self.entries_dir), "entries_value": dict(self.entries_val),
+                "entries_scalar": self.entries_scalar, "corrections": dict(self.corrections),
+                "suspicious": self.suspicious_count, "fallback_ops": sorted(self.fallback_ops),
+                "log": self.log}
+
+
+@dataclass
+class EngineConfig:
+    mode: str = "verified"
+    bits: int = 32
+    seed: int = 0
+    thresholds: dict = field(default_factory=lambda: dict(rules.DEFAULT_THRESHOLDS))
+    slack: float = 2.0  # an entry is suspicious beyond slack * tau from a midpoint
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        Grid(self.bits)  # validates
+        unknown = set(self.thresholds) - set(rules.DEFAULT_THRESHOLDS)
+        if unknown:
+            raise ValueError(f"unknown threshold classes: {', '.join(sorted(unknown))}")
+        for k, v in self.thresholds.items():
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"threshold for class {k!r} must be a positive number, got {v!r}")
+        self.thresholds = {**rules.DEFAULT_THRESHOLDS, **{k: float(v) for k, v in self.thresholds.items()}}
+
+
+# --- schema helpers (cached per op) -------------------------------------------------------------
+
+
+class _OpInfo:
+    __slots__ = ("names", "mutated", "functional", "variant", "targets", "has_dtype")
+
+    def __init__(self, func):
+        schema = func._schema
+        self.names = [a.name for a in schema.arguments]
+        self.mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        self.has_dtype = "dtype" in self.names
+        self.functional, self.variant, self.targets = None, "plain", []
+        if not self.mutated:
+            return
+        packet = func._overloadpacket
+        name = packet.__name__
+        if name.endswith("_") and self.mutated == [schema.arguments[0].name]:
+            base = getattr(aten, name[:-1], None)
+            if base is not None and func._overloadname in base.overloads():
+                self.functional = getattr(base, func._overloadname)
+                self.variant, self.targets = "inplace", [schema.arguments[0].name]
+                return
+        outs = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+        if outs and outs == self.mutated:
+            want = [a.name for a in schema.arguments if a.name not in outs]
+            for ov in packet.overloads():
+                cand = getattr(packet, ov)
+                if cand is func or cand._schema.is_mutable:
+                    continue
+                if [a.name for a in cand._schema.arguments] == want:
+                    self.functional, self.variant, self.targets = cand, "out", outs
+                    return
+        self.variant = "mutating"
+
+
+_INFO: dict = {}
+
+
+def _info(func) -> _OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = _OpInfo(func)
+    return info
+
+
+def _named(func, args, kwargs) -> dict:
+    names = _info(func).names
+    d = dict(zip(names, args))
+    d.update(kwargs)
+    return d
+
+
+# extra mutations the schema does not declare
+_UNDECLARED_MUTATIONS = {
+    "native_batch_norm": lambda a: ["running_mean", "running_var"] if a.get("training")
+    and a.get("running_mean") is not None else [],
+}
+
+_IGNORED_NAMESPACES = ("profiler",)
+
+
+def _is_float_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _check_dtypes(func, leaves):
+    for x in leaves:
+        dt = x.dtype if isinstance(x, torch.Tensor) else x if isinstance(x, torch.dtype) else None
+        if dt in _REFUSED_DTYPES:
+            raise UnsupportedOpError(
+                f"{func}: {dt} values inside a verified step are not supported; veritrain keeps every "
+                f"floating value on a float32 grid (run the model in float32, without autocast)")
+
+
+def _to_model_dtype(y32: torch.Tensor, dtype) -> torch.Tensor:
+    return y32 if dtype == torch.float32 else y32.to(dtype)
+
+
+class _Analysis:
+    """Per-op state shared between the slots of one op."""
+
+    __slots__ = ("call", "rule", "scales")
+
+    def __init__(self, call, rule):
+        self.call, self.rule, self.scales = call, rule, None
+
+    def scale(self, slot, shape):
+        if self.scales is None:
+            self.scales = list(rules.scale_for(self.rule, self.call))
+        s = self.scales[slot] if slot < len(self.scales) else None
+        if s is None:
+            raise VeritrainError(f"{self.call.func}: rule gives no error scale for output {slot}")
+        if not isinstance(s, torch.Tensor):
+            s = torch.tensor(float(s), dtype=torch.float64)
+        return s.to(torch.float64).expand(shape)
+
+
+class VerifiedMode(TorchDispatchMode):
+    """One training step under the engine. ``writer`` (trainer) or ``reader`` (auditor) or neither."""
+
+    def __init__(self, config: EngineConfig, step: int, writer: StepLogWriter | None = None,
+                 reader: StepLogReader | None = None):
+        super().__init__()
+        self.config = config
+        self.grid = Grid(config.bits)
+        self.step = step
+        self.writer, self.reader = writer, reader
+        self.stats = StepStats(step=step)
+        self.random_index = 0
+        self.op_index = 0
+        self.in_optimizer = False
+        self.rounding = config.mode in ("verified", "nolog")
+        self.hashes: list | None = None  # per-op output hashes (dispute game), when enabled
+
+    # --- entry ----------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in _IGNORED_NAMESPACES:
+            return func(*args, **kwargs)
+        name = rules.base_name(func)
+        if name in ("native_dropout", "native_dropout_backward"):
+            return self._lower_dropout(func, args, kwargs)
+        row = rules.RULES.get(name)
+        named = _named(func, args, kwargs) if isinstance(row, rules.Choose) else None
+        rule = rules.lookup(func, named)
+        if rule.kind == rules.PASSTHROUGH:
+            return func(*args, **kwargs)
+        if rule.kind == rules.UNSUPPORTED:
+            raise UnsupportedOpError(f"step {self.step}: {func} is not supported: {rule.why}")
+        if not self.rounding:
+            if rule.kind == rules.RANDOM:
+                return self._random(func, args, kwargs)
+            return func(*args, **kwargs)
+        if rule.kind == rules.RANDOM:
+            return self._random(func, args, kwargs)
+        return self._compute(func, rule, args, kwargs)
+
+    def _phase(self) -> str:
+        if self.in_optimizer:
+            return "optimizer"
+        if torch._C._current_autograd_node() is not None:
+            return "backward"
+        return "forward"
+
+    # --- scalars ----------------------------------------------------------------------------------
+
+    def _round_scalars(self, leaves, record_scalars, forced):
+        """Round Python float leaves to float32 in place; trainer notes near-midpoint ones."""
+        for i, x in enumerate(leaves):
+            if type(x) is not float or not math.isfinite(x):
+                continue
+            x32 = float(np.float32(x))
+            if i in forced:
+                leaves[i] = self._force_scalar(x, forced[i], i)
+                continue
+            if x32 != x and record_scalars is not None:
+                other = float(np.nextafter(np.float32(x32), np.float32(math.copysign(math.inf, x - x32))))
+                mid = (x32 + other) / 2 if math.isfinite(other) else x32
+                if abs(x - mid) < SCALAR_THRESHOLD * abs(x):
+                    record_scalars.append((i, abs(x32) > abs(x)))
+            leaves[i] = x32
+
+    def _unused_forced(self, func, leaves, forced):
+        for pos in forced:
+            if pos >= len(leaves) or type(leaves[pos]) is not float:
+                self._suspicious(pos, 0, "scalar", f"{func}: scalar entry for argument {pos}, which is not a "
+                                 f"float scalar", op=str(func))
+
+    def _force_scalar(self, x, away, pos):
+        x32 = float(np.float32(x))
+        other = float(np.nextafter(np.float32(x32), np.float32(math.copysign(math.inf, x - x32)))) if x32 != x else x32
+        lo, hi = sorted((abs(x32), abs(other)))
+        mid = (lo + hi) / 2
+        if hi == lo or abs(abs(x) - mid) > self.config.slack * SCALAR_THRESHOLD * abs(x):
+            self._suspicious(pos, 0, "scalar", f"scalar {x!r} is not near a float32 midpoint")
+        return math.copysign(hi if away else lo, x)
+
+    # --- compute ----------------------------------------------------------------------------------
+
+    def _compute(self, func, rule, args, kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        _check_dtypes(func, leaves)
+        info = _info(func)
+        float_pos = [i for i, x in enumerate(leaves) if _is_float_tensor(x)]
+        explicit = kwargs.get("dtype") if info.has_dtype else None
+        has_float_scalar = any(type(x) is float for x in leaves)
+        if not float_pos and not (isinstance(explicit, torch.dtype) and explicit.is_floating_point) \
+                and not (info.has_dtype and explicit is None and has_float_scalar) \
+                and not any(isinstance(x, torch.dtype) and x.is_floating_point for x in leaves):
+            return func(*args, **kwargs)  # integer/bool work: nothing to round
+
+        record, forced = self._open_op(func)
+        scalars = [] if self.writer is not None else None
+        self._round_scalars(leaves, scalars, forced)
+        self._unused_forced(func, leaves, forced)
+
+        if isinstance(explicit, torch.dtype) and explicit.is_floating_point:
+            out_dtype = explicit
+        else:
+            out_dtype = torch.float64 if any(leaves[i].dtype == torch.float64 for i in float_pos) else torch.float32
+
+        # exact ops at b = 32 on float32 operands: the float32 kernel gives the same bits
+        if rule.kind == rules.EXACT and self.grid.drop == 0 and out_dtype == torch.float32 \
+                and all(leaves[i].dtype == torch.float32 for i in float_pos) and explicit != torch.float64:
+            args2, kwargs2 = tree_unflatten(leaves, spec)
+            result = func(*args2, **kwargs2)
+            slots = self._native_slots(func, info, result, args2, kwargs2)
+            self._finish_op(func, record, scalars, [(y, None) for y in slots])
+            return result
+
+        # upcast to float64
+        up = list(leaves)
+        for i in float_pos:
+            if up[i].dtype == torch.float32:
+                up[i] = up[i].to(torch.float64)
+        for i, x in enumerate(up):
+            if isinstance(x, torch.dtype) and x == torch.float32:
+                up[i] = torch.float64
+        args64, kwargs64 = tree_unflatten(up, spec)
+        if info.has_dtype and explicit is None and not float_pos and has_float_scalar:
+            kwargs64 = {**kwargs64, "dtype": torch.float64}
+
+        named64 = _named(func, args64, kwargs64)
+        extra = _UNDECLARED_MUTATIONS.get(rules.base_name(func))
+        mutated = list(info.mutated) + (extra(named64) if extra else [])
+        run, variant, targets = func, "plain", []
+        if info.variant in ("inplace", "out"):
+            run, variant, targets = info.functional, info.variant, info.targets
+        elif mutated:
+            variant, targets = "mutating", mutated
+
+        if variant == "out":
+            call_args, call_kwargs = args64, {k: v for k, v in kwargs64.items() if k not in targets}
+        elif variant == "mutating":
+            # the op writes into these: give it copies, keep the inputs for the error scale
+            call_named = dict(named64)
+            for t in targets:
+                call_named[t] = _clone_floats(call_named[t])
+            call_args, call_kwargs = _from_named(func, call_named, len(args64))
+        else:
+            call_args, call_kwargs = args64, kwargs64
+        result = run(*call_args, **call_kwargs)
+
+        outputs = _flatten_result(result)
+        if variant == "mutating":
+            outputs = [o for o in outputs] + [t for name in targets for t in _as_list(_named(func, call_args, call_kwargs)[name])]
+        outputs64 = [o if _is_float_tensor(o) else None for o in outputs]
+        analysis = _Analysis(rules.Call(run, args64, {k: v for k, v in kwargs64.items() if k not in targets}
+                                        if variant == "out" else kwargs64, outputs64), rule)
+        if rule.kind == rules.FALLBACK_RULE.kind and rule is rules.FALLBACK_RULE:
+            self.stats.fallback_ops.add(str(func))
+        rounded = []
+        for slot, y in enumerate(outputs64):
+            if y is None:
+                rounded.append((None, None))
+                continue
+            rounded.append((y, analysis if rule.kind == rules.APPROX else None))
+        finals = self._finish_op(func, record, scalars, rounded)
+
+        # hand results back in the op's own dtypes and places
+        n_ret = len(outputs) - (sum(len(_as_list(named64[t])) for t in targets) if variant == "mutating" else 0)
+        if variant in ("inplace", "out"):
+            originals = [t for name in targets for t in _as_list(_named(func, args, kwargs)[name])]
+            for orig, y32 in zip(originals, finals):
+                _write_back(orig, y32)
+            rets = func._schema.returns
+            if not rets:
+                return None
+            orig_named = _named(func, args, kwargs)
+            vals = [orig_named[name] for name in targets]
+            return vals[0] if len(rets) == 1 else tuple(vals)
+        if variant == "mutating":
+            originals = [t for name in targets for t in _as_list(_named(func, args, kwargs)[name])]
+            for orig, y32 in zip(originals, finals[n_ret:]):
+                _write_back(orig, y32)
+        return _rebuild(result, [(_to_model_dtype(f, out_dtype) if f is not None else o)
+                                 for f, o in zip(finals[:n_ret], outputs[:n_ret])])
+
+    def _native_slots(self, func, info, result, args, kwargs):
+        if info.variant in ("inplace", "out", "mutating") and info.mutated:
+            named = _named(func, args, kwargs)
+            outs = [t for n in info.mutated for t in _as_list(named[n])]
+        else:
+            outs = _flatten_result(result)
+        return [o if _is_float_tensor(o) else None for o in outs]
+
+    # --- per-op log handling ----------------------------------------------------------------------
+
+    def _open_op(self, func):
+        """(the auditor's record for this op or None, forced scalar decisions)."""
+        self.op_index += 1
+        if self.reader is None:
+            return None, {}
+        rec = self.reader.next_op()
+        if rec is None:
+            raise ReplayMismatchError(
+                f"step {self.step}, op #{self.op_index} {func}: the trainer's log ends before this op; "
+                f"the replay runs different code than the trainer did")
+        if rec.name != str(func):
+            raise ReplayMismatchError(
+                f"step {self.step}, op #{self.op_index}: replay runs {func} but the log has {rec.name} here "
+                f"(a different task, code version or op stream)")
+        return rec, dict(rec.scalars)
+
+    def _finish_op(self, func, record: OpRecord | None, scalars, slots):
+        """Round each slot; write or apply entries. Returns the float32 results (None for non-float)."""
+        phase = self._phase()
+        stats = self.stats
+        stats.ops += 1
+        entries = []
+        finals = []
+        n_rounded = 0
+        if record is not None:
+            shapes = [tuple(y.shape) for y, _ in slots if y is not None]
+            got = [tuple(o.shape) for o in record.outputs]
+            if shapes != got:
+                raise ReplayMismatchError(
+                    f"step {self.step}, op #{self.op_index} {func}: output shapes {shapes} differ from the "
+                    f"log's {got} (a different task, configuration or batch)")
+        k = 0
+        for slot, (y, analysis) in enumerate(slots):
+            if y is None:
+                finals.append(None)
+                continue
+            n = y.numel()
+            n_rounded += n
+            if analysis is None:  # exact, or already float32 from a native kernel
+                y32 = y if y.dtype == torch.float32 else self.grid.round(y)
+                if record is not None and record.outputs[k].n_entries:
+                    self._suspicious_block(func, slot, record.outputs[k], "entries for an exact op")
+                entries.append(OutputEntries(tuple(y.shape)))
+            elif self.writer is not None:
+                y32, e = self._record(y, analysis, slot)
+                entries.append(e)
+                stats.analysed += n
+            elif record is not None:
+                y32 = self._replay(func, y, analysis, slot, record.outputs[k], phase)
+            else:
+                y32 = self.grid.round(y)
+            finals.append(y32)
+            k += 1
+        stats.rounded[phase] += n_rounded
+        if record is not None:
+            entries_seen = record.outputs
+            stats.entries_scalar += len(record.scalars)
+        else:
+            entries_seen = entries
+        for e in entries_seen:
+            stats.entries_dir[phase] += len(e.dir_pos)
+            stats.entries_val[phase] += len(e.val_pos)
+        if self.writer is not None:
+            stats.entries_scalar += len(scalars)
+            self.writer.op(str(func), scalars, entries, n_rounded)
+        if self.hashes is not None:
+            self.hashes.append((str(func), [_tensor_digest(f) for f in finals if f is not None]))
+        return finals
+
+    def _record(self, y, analysis, slot):
+        grid = self.grid
+        y = y.contiguous()
+        y32 = grid.round(y)
+        c = self.config.thresholds[analysis.rule.op_class]
+        scale = analysis.scale(slot, y.shape).contiguous()
+        cand = grid.candidates(y, scale, c)
+        idx = cand.reshape(-1).nonzero().squeeze(1)
+        e = OutputEntries(tuple(y.shape))
+        if idx.numel():
+            yc = y.reshape(-1)[idx]
+            tau = c * UNIT_ROUNDOFF * scale.reshape(-1)[idx]
+            is_val, is_dir, away = grid.classify(yc, tau)
+            e.dir_pos = idx[is_dir].cpu().numpy().astype(np.int64)
+            e.dir_bits = away[is_dir].cpu().numpy()
+            vp = idx[is_val]
+            e.val_pos = vp.cpu().numpy().astype(np.int64)
+            e.val_bits = y32.reshape(-1)[vp].view(torch.int32).cpu().numpy().view(np.uint32)
+        return y32, e
+
+    def _replay(self, func, y, analysis, slot, entries: OutputEntries, phase):
+        grid = self.grid
+        y = y.contiguous()
+        y32 = grid.round(y)
+        if not entries.n_entries:
+            return y32
+        c = self.config.thresholds[analysis.rule.op_class]
+        slack = self.config.slack
+        scale = analysis.scale(slot, y.shape).contiguous().reshape(-1)
+        flat_y, flat = y.reshape(-1), y32.view(-1)
+        dev = y.device
+        if len(entries.dir_pos):
+            pos = torch.from_numpy(entries.dir_pos).to(dev)
+            yc = flat_y[pos]
+            away = torch.from_numpy(entries.dir_bits.astype(bool)).to(dev)
+            forced = grid.apply_direction(yc, away)
+            natural = flat[pos]
+            self.stats.corrections[phase] += int((forced.view(torch.int32) != natural.view(torch.int32)).sum())
+            tau = c * UNIT_ROUNDOFF * scale[pos]
+            dist = grid.midpoint_distance(yc)
+            bad = dist > slack * tau
+            for j in bad.nonzero().flatten().tolist():
+                self._suspicious(int(pos[j]), slot, "direction",
+                                 f"{func}: value {yc[j].item()!r} is {dist[j].item():.3g} from a midpoint, "
+                                 f"threshold {tau[j].item():.3g}", op=str(func))
+            flat[pos] = forced
+        if len(entries.val_pos):
+            pos = torch.from_numpy(entries.val_pos).to(dev)
+            vals = torch.from_numpy(entries.val_bits.view(np.int32).copy()).to(dev).view(torch.float32)
+            yc = flat_y[pos]
+            natural = flat[pos]
+            self.stats.corrections[phase] += int((vals.view(torch.int32) != natural.view(torch.int32)).sum())
+            tau = c * UNIT_ROUNDOFF * scale[pos]
+            v64 = vals.double()
+            spacing = torch.maximum(grid.spacing_at(yc), grid.spacing_at(v64))
+            far = (v64 - yc).abs() > spacing / 2 + slack * tau
+            same_nonfinite = ~torch.isfinite(v64) & (v64 == yc)
+            bad = (far & ~same_nonfinite) | ~grid.on_grid(vals) | torch.isnan(v64)
+            for j in bad.nonzero().flatten().tolist():
+                self._suspicious(int(pos[j]), slot, "value",
+                                 f"{func}: logged value {vals[j].item()!r} but the computed value is "
+                                 f"{yc[j].item()!r} (threshold {tau[j].item():.3g})", op=str(func))
+            vals = torch.where(grid.on_grid(vals), vals, grid.round(v64))
+            flat[pos] = vals
+        return y32
+
+    def _suspicious(self, position, slot, kind, detail, op=""):
+        self.stats.suspicious_count += 1
+        if len(self.stats.suspicious) < MAX_SUSPICIOUS_DETAILS:
+            self.stats.suspicious.append(Suspicious(self.step, self.op_index, op, slot, position, kind, detail))
+
+    def _suspicious_block(self, func, slot, entries, why):
+        for p in list(entries.dir_pos) + list(entries.val_pos):
+            self._suspicious(int(p), slot, "exact", f"{func}: {why}", op=str(func))
+
+    # --- random ops -------------------------------------------------------------------------------
+
+    def _stream(self):
+        s = randomness.Stream(self.config.seed, self.step, self.random_index, "op")
+        self.random_index += 1
+        return s
+
+    def _random(self, func, args, kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        _check_dtypes(func, leaves)
+        record, forced = self._open_op(func) if self.rounding else (None, {})
+        scalars = [] if self.writer is not None else None
+        self._round_scalars(leaves, scalars, forced)
+        self._unused_forced(func, leaves, forced)
+        args, kwargs = tree_unflatten(leaves, spec)
+        a = _named(func, args, kwargs)
+        name = rules.base_name(func)
+        stream = self._stream()
+        packet = func._overloadpacket.__name__
+        inplace = packet.endswith("_")
+        target = a.get("self") if inplace else None
+
+        src = a.get("self")
+        dtype = a.get("dtype") or (src.dtype if isinstance(src, torch.Tensor) else torch.get_default_dtype())
+        device = a.get("device") or (src.device if isinstance(src, torch.Tensor) else torch.device("cpu"))
+        size = a.get("size")
+        shape = tuple(src.shape) if isinstance(src, torch.Tensor) else (tuple(size) if size is not None else None)
+        value, scale = None, None  # float64 result and its error scale (approx draws)
+        exact_out = None
+        if name == "bernoulli":
+            p = a.get("p", None)
+            if p is None:
+                p = a["self"]
+            exact_out = randomness.bernoulli_mask(stream, shape, p, device).to(torch.float64)
+        elif name in ("rand", "rand_like"):
+            exact_out = randomness.uniform(stream, shape, device, bits=24 - self.grid.drop if dtype == torch.float32 else 53)
+        elif name == "uniform":
+            lo, hi = float(a.get("from", 0.0)), float(a.get("to", 1.0))
+            exact_out = randomness.uniform(stream, shape, device) * (hi - lo) + lo
+        elif name in ("randn", "randn_like", "normal"):
+            z, zs = randomness.normal(stream, shape, device)
+            mean, std = a.get("mean", 0.0), a.get("std", 1.0)
+            if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+                mean_t = mean.double() if isinstance(mean, torch.Tensor) else mean
+                std_t = std.double() if isinstance(std, torch.Tensor) else std
+                shape = torch.broadcast_shapes(getattr(mean, "shape", ()), getattr(std, "shape", ()))
+                z, zs = randomness.normal(stream, shape, device)
+                value = mean_t + std_t * z
+                scale = _abs(mean_t) + _abs(std_t) * zs
+                dtype = (mean if isinstance(mean, torch.Tensor) else std).dtype
+            else:
+                value = float(mean) + float(std) * z
+                scale = abs(float(mean)) + abs(float(std)) * zs
+        elif name == "exponential":
+            value, scale = randomness.exponential(stream, shape, device, float(a.get("lambd", 1.0)))
+        elif name == "log_normal":
+            z, zs = randomness.normal(stream, shape, device)
+            value = torch.exp(float(a.get("mean", 1.0)) + float(a.get("std", 2.0)) * z)
+            scale = value.abs() * (4 + abs(float(a.get("mean", 1.0))) + abs(float(a.get("std", 2.0))) * zs)
+        elif name == "cauchy":
+            u = randomness.uniform(stream, shape, device)
+            t = torch.tan(math.pi * (u - 0.5))
+            value = float(a.get("median", 0.0)) + float(a.get("sigma", 1.0)) * t
+            scale = value.abs() + abs(float(a.get("sigma", 1.0))) * (t.abs() + 1) * (1 + t * t)
+        elif name == "random":
+            lo = int(a.get("from", 0))
+            hi = a.get("to")
+            if hi is None:
+                hi = 2 ** (24 - self.grid.drop) + 1 if dtype.is_floating_point else torch.iinfo(dtype).max
+            exact_out = torch.from_numpy(stream.integers(math.prod(shape), lo, int(hi))).reshape(shape).to(device)
+            exact_out = exact_out.to(torch.float64) if dtype.is_floating_point else exact_out.to(dtype)
+        elif name in ("randint", "randint_like"):
+            low, high = a.get("low", 0), a.get("high")
+            if name == "randint":
+                shape = tuple(a["size"])
+                dtype = a.get("dtype") or torch.int64
+                device = a.get("device") or torch.device("cpu")
+            ints = torch.from_numpy(stream.integers(math.prod(shape), int(low), int(high))).reshape(shape).to(device)
+            exact_out = ints.to(torch.float64) if dtype.is_floating_point else ints.to(dtype)
+        elif name == "randperm":
+            n = int(a["n"])
+            dtype = a.get("dtype") or torch.int64
+            device = a.get("device") or torch.device("cpu")
+            exact_out = randomness.randperm(stream, n, device).to(dtype)
+            shape = (n,)
+        elif name == "multinomial":
+            exact_out = randomness.multinomial(stream, a["self"], int(a["num_samples"]), bool(a.get("replacement", False)))
+            dtype = torch.int64
+            shape = tuple(exact_out.shape)
+        else:
+            raise UnsupportedOpError(f"step {self.step}: {func}: random op not implemented by veritrain")
+
+        if not self.rounding:  # plain fp32 / fp64 runs: same draws, no grid
+            out = (exact_out if exact_out is not None else value).to(dtype)
+            if target is not None:
+                target.copy_(out)
+                return target
+            return out
+
+        if exact_out is not None:
+            slot = (exact_out, None)
+        else:
+            value = value.to(torch.float64)
+            s = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale), dtype=torch.float64)
+            call = rules.Call(func, (), {}, [value])
+            slot = (value, _Analysis(call, rules.Rule(rules.APPROX, "random", lambda c, s=s: [s])))
+        if slot[0].is_floating_point():
+            finals = self._finish_op(func, record, scalars, [slot])
+            out = _to_model_dtype(finals[0], dtype) if dtype.is_floating_point else finals[0].to(dtype)
+        else:
+            finals = self._finish_op(func, record, scalars, [])
+            out = slot[0]
+        if target is not None:
+            target.copy_(out)
+            return target
+        return out
+
+    def _lower_dropout(self, func, args, kwargs):
+        """native_dropout (what F.dropout uses on GPUs) as the composite F.dropout runs on CPUs, so the
+        op stream and the bits are the same on every device."""
+        a = _named(func, args, kwargs)
+        if rules.base_name(func) == "native_dropout":
+            x, p, train = a["input"], float(a["p"]), a.get("train")
+            if not train or p == 0:
+                return x.clone(), torch.ones_like(x, dtype=torch.bool)
+            noise = torch.empty_like(x)
+            noise = self.__torch_dispatch__(aten.bernoulli_.float, (), (noise, 1 - p), {})
+            noise = self.__torch_dispatch__(aten.div_.Scalar, (), (noise, 1 - p), {})
+            out = self.__torch_dispatch__(aten.mul.Tensor, (), (x, noise), {})
+            return out, noise != 0
+        g, mask, scale = a["grad_output"], a["mask"], float(a["scale"])
+        keep = 1.0 / scale
+        noise = mask.to(g.dtype)
+        noise = self.__torch_dispatch__(aten.div_.Scalar, (), (noise, keep), {})
+        return self.__torch_dispatch__(aten.mul.Tensor, (), (g, noise), {})
+
+
+# --- small helpers ------------------------------------------------------------------------------
+
+
+def _abs(x):
+    return x.abs() if isinstance(x, torch.Tensor) else abs(float(x))
+
+
+def _as_list(x):
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _clone_floats(x):
+    if isinstance(x, (list, tuple)):
+        return [_clone_floats(t) for t in x]
+    return x.clone() if _is_float_tensor(x) else x
+
+
+def _from_named(func, named, n_positional):
+    names = _info(func).names
+    args = [named[n] for n in names[:n_positional]]
+    kwargs = {n: named[n] for n in names[n_positional:] if n in named}
+    return tuple(args), kwargs
+
+
+def _flatten_result(res):
+    if res is None:
+        return []
+    if isinstance(res, torch.Tensor):
+        return [res]
+    out = []
+    for r in res:
+        if isinstance(r, (list, tuple)):
+            out.extend(r)
+        else:
+            out.append(r)
+    return out
+
+
+def _rebuild(res, flat):
+    if res is None:
+        return None
+    if isinstance(res, torch.Tensor):
+        return flat[0]
+    it = iter(flat)
+    out = []
+    for r in res:
+        if isinstance(r, (list, tuple)):
+            out.append([next(it) for _ in r])
+        else:
+            out.append(next(it))
+    return type(res)(out) if isinstance(res, tuple) else out
+
+
+def _write_back(orig: torch.Tensor, y32: torch.Tensor):
+    if orig.shape != y32.shape:
+        orig.resize_(y32.shape)
+    orig.copy_(y32)
+
+
+def _tensor_digest(t: torch.Tensor) -> bytes:
+    import hashlib
+
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+# --- the step context ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def step_context(config: EngineConfig, step: int, writer=None, reader=None, op_hashes: bool = False):
+    """Run one training step under the engine. Yields the VerifiedMode (its ``stats`` after exit).
+
+    Also pins the device-dependent choices that would change the op stream between machines:
+    scaled-dot-product attention uses its math backend and cudnn is off inside the step.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    mode = VerifiedMode(config, step, writer=writer, reader=reader)
+    if op_hashes:
+        mode.hashes = []
+
+    def pre(opt, a, k):
+        mode.in_optimizer = True
+
+    def post(opt, a, k):
+        mode.in_optimizer = False
+
+    h1, h2 = register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]), torch.backends.cudnn.flags(enabled=False), mode:
+            yield mode
+    finally:
+        h1.remove()
+        h2.remove()
+    if reader is not None:
+        trailing = reader.next_op()
+        if trailing is not None:
+            raise ReplayMismatchError(
+                f"step {step}: the replay finished but the trainer's log has more ops (next: {trailing.name}); "
+                f"the replay runs different code than the trainer did")

@@ -1,0 +1,387 @@
+"""The rounding log: one file per training step, written while the step runs (spec: docs/FORMAT.md).
+
+    file    = MAGIC (8 bytes "VTRLOG1\\n") + one zstd frame (with content checksum)
+    frame   = HEADER record, then NAME / OP records in execution order, then one END record
+    HEADER  = 'H' varint(step) varint(bits)
+    NAME    = 'N' varint(id) varint(len) utf8[len]          # ids are 0, 1, 2, ... in order of first use
+    OP      = 'O' varint(name_id) varint(n_scalar) n_scalar * (varint(arg_pos) u8(bit))
+                  varint(n_out) n_out * OUTPUT
+    OUTPUT  = varint(ndim) ndim*varint(dim)
+              varint(n_dir) varint(len) gaps[len] bits[ceil(n_dir/8)]
+              varint(n_val) varint(len) gaps[len] n_val*u32le(float32 bits)
+    END     = 'E' varint(n_ops) varint(rounded_values) varint(n_dir) varint(n_val) varint(n_scalar)
+
+``gaps`` are LEB128 varints of strictly increasing flat (row-major) positions: the first position,
+then each difference minus one. ``bits`` are packed least-significant bit first; 1 means the trainer
+rounded to the neighbour of larger magnitude.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import zstandard
+
+MAGIC = b"VTRLOG1\n"
+_H, _N, _O, _E = b"H", b"N", b"O", b"E"
+MAX_NDIM = 64
+MAX_NUMEL = 1 << 48
+MAX_NAME = 4096
+ZSTD_LEVEL = 10
+
+
+class LogFormatError(ValueError):
+    """A rounding log is malformed, truncated, or not the one expected."""
+
+
+@dataclass
+class OutputEntries:
+    shape: tuple
+    dir_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    dir_bits: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    val_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    val_bits: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+
+    @property
+    def n_entries(self) -> int:
+        return len(self.dir_pos) + len(self.val_pos)
+
+
+@dataclass
+class OpRecord:
+    name: str
+    scalars: list  # [(arg_position, bit)]
+    outputs: list  # [OutputEntries]
+
+
+@dataclass
+class StepTotals:
+    n_ops: int = 0
+    rounded_values: int = 0
+    n_dir: int = 0
+    n_val: int = 0
+    n_scalar: int = 0
+
+
+# --- varints --------------------------------------------------------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        raise ValueError("varint must be non-negative")
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_varints(values: np.ndarray) -> bytes:
+    a = np.asarray(values, dtype=np.uint64)
+    if a.size == 0:
+        return b""
+    nbytes = np.ones(a.shape, dtype=np.int64)
+    v = a >> np.uint64(7)
+    while v.any():
+        nbytes += v > 0
+        v >>= np.uint64(7)
+    ends = np.cumsum(nbytes)
+    starts = ends - nbytes
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
+    v = a.copy()
+    for k in range(int(nbytes.max())):
+        m = nbytes > k
+        byte = (v[m] & np.uint64(0x7F)).astype(np.uint8)
+        cont = (nbytes[m] > k + 1).astype(np.uint8) << np.uint8(7)
+        out[starts[m] + k] = byte | cont
+        v[m] >>= np.uint64(7)
+    return out.tobytes()
+
+
+def decode_varints(buf: bytes, count: int) -> np.ndarray:
+    a = np.frombuffer(buf, dtype=np.uint8)
+    if count == 0:
+        if a.size:
+            raise LogFormatError("position block has bytes but no entries")
+        return np.zeros(0, np.int64)
+    ends = np.flatnonzero(a < 0x80)
+    if ends.size != count or (a.size and ends[-1] != a.size - 1):
+        raise LogFormatError(f"position block holds {ends.size} varints, expected {count}")
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    lengths = ends - starts + 1
+    if lengths.max() > 9:
+        raise LogFormatError("varint longer than 63 bits in position block")
+    vals = np.zeros(count, dtype=np.uint64)
+    for k in range(int(lengths.max())):
+        m = lengths > k
+        vals[m] |= (a[starts[m] + k].astype(np.uint64) & np.uint64(0x7F)) << np.uint64(7 * k)
+    return vals.astype(np.int64)
+
+
+def positions_to_gaps(pos: np.ndarray) -> np.ndarray:
+    pos = np.asarray(pos, dtype=np.int64)
+    if pos.size == 0:
+        return pos
+    gaps = np.empty_like(pos)
+    gaps[0] = pos[0]
+    gaps[1:] = np.diff(pos) - 1
+    if (gaps < 0).any():
+        raise ValueError("positions must be strictly increasing")
+    return gaps
+
+
+def gaps_to_positions(gaps: np.ndarray) -> np.ndarray:
+    if gaps.size == 0:
+        return gaps
+    return np.cumsum(gaps + 1) - 1
+
+
+# --- writer ---------------------------------------------------------------------------------------
+
+
+class StepLogWriter:
+    """Streams one step's records into ``path`` (atomically: temporary name, fsync, rename)."""
+
+    def __init__(self, path: str, step: int, bits: int):
+        self.path = path
+        self.tmp = f"{path}.tmp-{os.getpid()}"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._file = open(self.tmp, "wb")
+        self._file.write(MAGIC)
+        self._z = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).stream_writer(
+            self._file, closefd=False)
+        self._names: dict[str, int] = {}
+        self.totals = StepTotals()
+        self._buf = bytearray()
+        self._emit(_H + _varint(step) + _varint(bits))
+
+    def _emit(self, b: bytes):
+        self._buf += b
+        if len(self._buf) > 1 << 16:
+            self._z.write(bytes(self._buf))
+            self._buf.clear()
+
+    def op(self, name: str, scalars, outputs, rounded_values: int):
+        nid = self._names.get(name)
+        if nid is None:
+            nid = self._names[name] = len(self._names)
+            raw = name.encode()
+            self._emit(_N + _varint(nid) + _varint(len(raw)) + raw)
+        parts = [_O, _varint(nid), _varint(len(scalars))]
+        for pos, bit in scalars:
+            parts.append(_varint(pos) + bytes([1 if bit else 0]))
+        parts.append(_varint(len(outputs)))
+        for o in outputs:
+            parts.append(_varint(len(o.shape)) + b"".join(_varint(int(d)) for d in o.shape))
+            g = encode_varints(positions_to_gaps(o.dir_pos))
+            parts += [_varint(len(o.dir_pos)), _varint(len(g)), g,
+                      np.packbits(np.asarray(o.dir_bits, bool), bitorder="little").tobytes()]
+            g = encode_varints(positions_to_gaps(o.val_pos))
+            parts += [_varint(len(o.val_pos)), _varint(len(g)), g,
+                      np.asarray(o.val_bits, dtype="<u4").tobytes()]
+            self.totals.n_dir += len(o.dir_pos)
+            self.totals.n_val += len(o.val_pos)
+        self.totals.n_scalar += len(scalars)
+        self.totals.n_ops += 1
+        self.totals.rounded_values += rounded_values
+        self._emit(b"".join(parts))
+
+    def close(self) -> dict:
+        t = self.totals
+        self._emit(_E + _varint(t.n_ops) + _varint(t.rounded_values) + _varint(t.n_dir) + _varint(t.n_val)
+                   + _varint(t.n_scalar))
+        self._z.write(bytes(self._buf))
+        self._buf.clear()
+        self._z.flush(zstandard.FLUSH_FRAME)
+        self._z.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp, self.path)
+        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        with open(self.path, "rb") as f:
+            data = f.read()
+        return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+    def abort(self):
+        try:
+            self._file.close()
+        finally:
+            if os.path.exists(self.tmp):
+                os.remove(self.tmp)
+
+
+def _fsync_dir(d: str):
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- reader ---------------------------------------------------------------------------------------
+
+
+class StepLogReader:
+    """Reads one step's records in order, without loading the whole file."""
+
+    def __init__(self, path_or_bytes, expect_step: int | None = None, expect_bits: int | None = None):
+        self.source = path_or_bytes if isinstance(path_or_bytes, str) else "<bytes>"
+        try:
+            self._file = open(path_or_bytes, "rb") if isinstance(path_or_bytes, str) else io.BytesIO(path_or_bytes)
+        except OSError as e:
+            raise LogFormatError(f"cannot open rounding log {self.source}: {e.strerror}") from None
+        if self._file.read(len(MAGIC)) != MAGIC:
+            self._file.close()
+            raise LogFormatError(f"{self.source}: not a veritrain rounding log (bad magic)")
+        self._z = zstandard.ZstdDecompressor().stream_reader(self._file, read_across_frames=False)
+        self._names: list[str] = []
+        self.totals = StepTotals()
+        self.end: StepTotals | None = None
+        self.index = 0
+        tag = self._read(1)
+        if tag != _H:
+            raise LogFormatError(f"{self.source}: missing header record")
+        self.step, self.bits = self._varint(), self._varint()
+        if expect_step is not None and self.step != expect_step:
+            raise LogFormatError(f"{self.source}: log is for step {self.step}, expected step {expect_step}")
+        if expect_bits is not None and self.bits != expect_bits:
+            raise LogFormatError(f"{self.source}: log is for rounding amount b={self.bits}, expected {expect_bits}")
+
+    def _read(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            try:
+                chunk = self._z.read(n - len(out))
+            except zstandard.ZstdError as e:
+                raise LogFormatError(f"{self.source}: corrupt compressed data ({e})") from None
+            if not chunk:
+                raise LogFormatError(f"{self.source}: truncated (ended inside a record)")
+            out += chunk
+        return bytes(out)
+
+    def _varint(self) -> int:
+        shift, value = 0, 0
+        for _ in range(10):
+            b = self._read(1)[0]
+            value |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return value
+            shift += 7
+        raise LogFormatError(f"{self.source}: varint too long")
+
+    def next_op(self) -> OpRecord | None:
+        """The next OP record, or None once END has been read."""
+        while True:
+            tag = self._read(1)
+            if tag == _N:
+                nid, length = self._varint(), self._varint()
+                if nid != len(self._names) or length > MAX_NAME:
+                    raise LogFormatError(f"{self.source}: bad name table entry")
+                try:
+                    self._names.append(self._read(length).decode())
+                except UnicodeDecodeError:
+                    raise LogFormatError(f"{self.source}: op name is not UTF-8") from None
+            elif tag == _O:
+                return self._op()
+            elif tag == _E:
+                self._end()
+                return None
+            else:
+                raise LogFormatError(f"{self.source}: unknown record tag {tag!r}")
+
+    def _op(self) -> OpRecord:
+        nid = self._varint()
+        if nid >= len(self._names):
+            raise LogFormatError(f"{self.source}: op refers to unknown name id {nid}")
+        n_scalar = self._varint()
+        if n_scalar > 1024:
+            raise LogFormatError(f"{self.source}: too many scalar entries")
+        scalars = []
+        for _ in range(n_scalar):
+            pos = self._varint()
+            bit = self._read(1)[0]
+            if bit > 1:
+                raise LogFormatError(f"{self.source}: scalar direction must be 0 or 1")
+            scalars.append((pos, bool(bit)))
+        n_out = self._varint()
+        if n_out > 1 << 20:
+            raise LogFormatError(f"{self.source}: too many outputs in one op")
+        outputs = []
+        for _ in range(n_out):
+            ndim = self._varint()
+            if ndim > MAX_NDIM:
+                raise LogFormatError(f"{self.source}: output has {ndim} dimensions")
+            shape = tuple(self._varint() for _ in range(ndim))
+            numel = 1
+            for d in shape:
+                numel *= d
+                if numel > MAX_NUMEL:
+                    raise LogFormatError(f"{self.source}: output shape {shape} is too large")
+            o = OutputEntries(shape)
+            o.dir_pos = self._positions(numel)
+            o.dir_bits = np.unpackbits(np.frombuffer(self._read((len(o.dir_pos) + 7) // 8), np.uint8),
+                                       bitorder="little")[:len(o.dir_pos)].astype(bool)
+            o.val_pos = self._positions(numel)
+            o.val_bits = np.frombuffer(self._read(4 * len(o.val_pos)), dtype="<u4").astype(np.uint32)
+            self.totals.n_dir += len(o.dir_pos)
+            self.totals.n_val += len(o.val_pos)
+            outputs.append(o)
+        self.totals.n_scalar += n_scalar
+        self.totals.n_ops += 1
+        self.index += 1
+        return OpRecord(self._names[nid], scalars, outputs)
+
+    def _positions(self, numel: int) -> np.ndarray:
+        count, length = self._varint(), self._varint()
+        if count > numel or length > 10 * count or length < count:
+            raise LogFormatError(f"{self.source}: entry block does not fit its output")
+        pos = gaps_to_positions(decode_varints(self._read(length), count))
+        if count and (pos[-1] >= numel or pos[0] < 0):
+            raise LogFormatError(f"{self.source}: entry position outside its output")
+        return pos
+
+    def _end(self):
+        t = StepTotals(*(self._varint() for _ in range(5)))
+        if (t.n_ops, t.n_dir, t.n_val, t.n_scalar) != (self.totals.n_ops, self.totals.n_dir, self.totals.n_val,
+                                                       self.totals.n_scalar):
+            raise LogFormatError(f"{self.source}: END totals do not match the records")
+        if self._z.read(1):
+            raise LogFormatError(f"{self.source}: data after the END record")
+        rest = self._file.read(1)
+        if rest:
+            raise LogFormatError(f"{self.source}: trailing bytes after the compressed frame")
+        self.end = t
+
+    def read_all(self) -> list[OpRecord]:
+        ops = []
+        while (op := self.next_op()) is not None:
+            ops.append(op)
+        return ops
+
+    def close(self):
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def dense_encoding_bytes(rounded_values: int) -> float:
+    """The paper's dense log: one of three states per rounded value, 5 values per byte (1.6 bits)."""
+    return rounded_values * 1.6 / 8

@@ -1,0 +1,965 @@
+"""The per-operator rules: one row per aten op, in the style of torch/utils/flop_counter.py.
+
+Each op the engine sees falls in one kind:
+
+* ``passthrough`` - creates no new floating value: views, data movement, selection, comparisons,
+  integer results. Runs natively on the float32 tensors.
+* ``exact``       - one correctly rounded IEEE operation (add, sub, mul, div by a tensor, sqrt) or a
+  conversion; float64 gives the same bits on every conforming machine, so nothing is logged.
+* ``approx``      - anything else. The engine computes it in float64, rounds it, and logs the results
+  that another correct implementation could round differently. The row names a threshold class and
+  an *error scale*: a tensor broadcastable to each output such that any two correct float64
+  implementations differ by well under ``c * u * scale`` (u = 2**-53, c from the class).
+* ``random``      - draws from the counter-based generator (randomness.py).
+* ``unsupported`` - refused with an error that names the op and what to do instead.
+
+Error scales (see docs/ROUNDING.md for the reasoning): a sum of n terms computed in any order is within
+``lambda * sqrt(n) * u * sum|terms|`` of the exact value with overwhelming probability (Higham & Mary,
+2019), so accumulations use ``sqrt(n) * sum|terms|``; for matrix products and convolutions
+``sum|a*b|`` is bounded cheaply by Cauchy-Schwarz, ``||a_row|| * ||b_col||``. Short elementwise
+formulas use the magnitudes of their terms (for ``self + t`` that is ``|self| + |result|``), and
+library functions (exp, tanh, ...) their result, except where the formula can cancel (gelu uses |x|).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+aten = torch.ops.aten
+
+PASSTHROUGH, EXACT, APPROX, RANDOM, UNSUPPORTED = "passthrough", "exact", "approx", "random", "unsupported"
+
+# Default threshold constants c per class: tau = c * u * scale. Measured differences across the
+# hardware variants stay far below these (docs/ROUNDING.md, `veritrain calibrate`).
+DEFAULT_THRESHOLDS = {
+    "accumulate": 16.0,     # matmul, convolution, sums, pooling/embedding gradients
+    "elementwise": 16.0,    # short formulas and library functions, scalar-divisor division
+    "normalization": 16.0,  # layer/batch/group norm, variance
+    "softmax": 16.0,        # softmax, log-softmax, losses
+    "random": 16.0,         # normal, exponential, ... (transcendental transforms of uniforms)
+    "fallback": 64.0,       # ops without a rule of their own
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str
+    op_class: str = ""
+    scale: Callable | None = None
+    why: str = ""
+
+
+class Call:
+    """One invocation as the engine evaluated it: float64 inputs (scalars already on float32) and
+    the float64 results, one per output slot (``None`` where the op returned no tensor)."""
+
+    __slots__ = ("func", "args", "kwargs", "outputs", "_index")
+
+    def __init__(self, func, args, kwargs, outputs):
+        self.func, self.args, self.kwargs, self.outputs = func, args, kwargs, outputs
+        self._index = _arg_index(func)
+
+    def arg(self, name, default=None):
+        if name in self.kwargs:
+            return self.kwargs[name]
+        pos, schema_default = self._index.get(name, (None, default))
+        if pos is not None and pos < len(self.args):
+            return self.args[pos]
+        return default if schema_default is None else schema_default
+
+
+_ARG_INDEX: dict = {}
+
+
+def _arg_index(func):
+    idx = _ARG_INDEX.get(func)
+    if idx is None:
+        idx = {}
+        for i, a in enumerate(func._schema.arguments):
+            d = a.default_value if a.has_default_value() else None
+            idx[a.name] = (None if a.kwarg_only else i, d)
+        _ARG_INDEX[func] = idx
+    return idx
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _abs(x):
+    return x.abs() if isinstance(x, torch.Tensor) else abs(float(x))
+
+
+def _dims(x, dim):
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(x.dim()))
+    if isinstance(dim, int):
+        dim = [dim]
+    return [d % max(x.dim(), 1) for d in dim]
+
+
+def _count(x, dims):
+    return math.prod(x.shape[d] for d in dims) if x.dim() else 1
+
+
+def _sqrt(n):
+    return math.sqrt(max(n, 1))
+
+
+def _norm(x, dim):
+    return torch.linalg.vector_norm(x, dim=dim)
+
+
+# --- exactness certificate -----------------------------------------------------------------------
+# A float64 sum of addends that are all multiples of a quantum q (float32 values are multiples of their
+# own ulp) is exact in any order while every partial sum stays below 2**53 q. Such results are the same
+# on every machine, so their scale is 0: nothing to log. Small sums (batch sums of gradients, embedding
+# gradients) are usually exact, and often land exactly on a float32 tie.
+
+_EXACT_LIMIT = 2.0**52  # one bit of margin below 2**53
+
+
+def _quantum(absx: torch.Tensor) -> torch.Tensor:
+    """float32 ulp of each magnitude (2**-149 below the normal range); inf for 0 and inf."""
+    _, e = torch.frexp(absx)
+    q = (torch.clamp(e - 24, min=-149).to(torch.int64) + 1023).bitwise_left_shift_(52).view(torch.float64)
+    return torch.where((absx == 0) | ~torch.isfinite(absx), torch.full_like(absx, math.inf), q)
+
+
+def _min_quantum(absx: torch.Tensor, dims, keepdim) -> torch.Tensor:
+    return _quantum(absx.masked_fill(absx == 0, math.inf).amin(dims, keepdim=keepdim))
+
+
+def _certify(scale: torch.Tensor, abs_total: torch.Tensor, quantum: torch.Tensor) -> torch.Tensor:
+    """Zero the scale where the sum is provably exact."""
+    return torch.where(abs_total < _EXACT_LIMIT * quantum, torch.zeros_like(scale), scale)
+
+
+def _rel(call):  # scale = |result| for every output
+    return [None if y is None else y.abs() for y in call.outputs]
+
+
+def _self_plus_result(call):  # self + (something bounded by |self| + |result|)
+    s = call.arg("self")
+    return [_abs(s) + call.outputs[0].abs()]
+
+
+def _result_plus_one(call):
+    return [call.outputs[0].abs() + 1.0]
+
+
+# --- accumulations ------------------------------------------------------------------------------
+
+
+def _mm(call):
+    a, b = call.arg("self"), call.arg("mat2")
+    return [_sqrt(a.shape[-1]) * _norm(a, -1).unsqueeze(-1) * _norm(b, -2).unsqueeze(-2)]
+
+
+def _addmm(call):
+    bias, a, b = call.arg("self"), call.arg("mat1"), call.arg("mat2")
+    beta, alpha = call.arg("beta", 1), call.arg("alpha", 1)
+    prod = _sqrt(a.shape[-1]) * _norm(a, -1).unsqueeze(-1) * _norm(b, -2).unsqueeze(-2)
+    return [abs(float(beta)) * bias.abs() + abs(float(alpha)) * prod]
+
+
+def _baddbmm(call):
+    bias, a, b = call.arg("self"), call.arg("batch1"), call.arg("batch2")
+    beta, alpha = call.arg("beta", 1), call.arg("alpha", 1)
+    prod = _sqrt(a.shape[-1]) * _norm(a, -1).unsqueeze(-1) * _norm(b, -2).unsqueeze(-2)
+    return [abs(float(beta)) * bias.abs() + abs(float(alpha)) * prod]
+
+
+def _mv(call):
+    a, v = call.arg("self"), call.arg("vec")
+    return [_sqrt(a.shape[-1]) * _norm(a, -1) * _norm(v, -1)]
+
+
+def _addmv(call):
+    bias, a, v = call.arg("self"), call.arg("mat"), call.arg("vec")
+    beta, alpha = call.arg("beta", 1), call.arg("alpha", 1)
+    return [abs(float(beta)) * bias.abs() + abs(float(alpha)) * _sqrt(a.shape[-1]) * _norm(a, -1) * _norm(v, -1)]
+
+
+def _dot(call):
+    a, b = call.args[0], call.args[1]
+    return [_sqrt(a.numel()) * _norm(a, None) * _norm(b, None)]
+
+
+def _convolution(call):
+    x, w, b = call.arg("input"), call.arg("weight"), call.arg("bias")
+    stride, padding, dilation = call.arg("stride"), call.arg("padding"), call.arg("dilation")
+    transposed, output_padding, groups = call.arg("transposed"), call.arg("output_padding"), call.arg("groups")
+    k = tuple(w.shape[2:])
+    if transposed:
+        # rare: the exact sum of |terms| (one more convolution of the same size)
+        n = w.shape[0] // groups * math.prod(k)
+        s = aten.convolution(x.abs(), w.abs(), None, stride, padding, dilation, True, output_padding, groups)
+        s = _sqrt(n) * s
+    else:
+        n = w.shape[1] * math.prod(k)
+        # ||patch of x|| (over all input channels: an upper bound when groups > 1) times ||w_o||
+        energy = aten.convolution((x * x).sum(1, keepdim=True), torch.ones((1, 1) + k, dtype=x.dtype, device=x.device),
+                                  None, stride, padding, dilation, False, [0] * len(k), 1)
+        wn = _norm(w.flatten(1), 1).view((1, -1) + (1,) * len(k))
+        s = _sqrt(n) * energy.clamp_(min=0).sqrt_() * wn
+    if b is not None:
+        s = s + b.abs().view((1, -1) + (1,) * len(k))
+    return [s]
+
+
+def _convolution_backward(call):
+    go, x, w = call.arg("grad_output"), call.arg("input"), call.arg("weight")
+    stride, padding, dilation = call.arg("stride"), call.arg("padding"), call.arg("dilation")
+    transposed, output_padding, groups = call.arg("transposed"), call.arg("output_padding"), call.arg("groups")
+    mask = call.arg("output_mask")
+    k = tuple(w.shape[2:])
+    spatial = tuple(range(2, go.dim()))
+    gi, gw, gb = call.outputs[:3]
+    out = [None, None, None]
+    if transposed:
+        exact = aten.convolution_backward(go.abs(), x.abs(), w.abs(), call.arg("bias_sizes"), stride, padding,
+                                          dilation, True, output_padding, groups, mask)
+        n_in = x.shape[1] // groups * math.prod(k)
+        n_w = go.shape[0] * math.prod(x.shape[2:])
+        for i, (t, n) in enumerate(zip(exact, (n_in, n_w, n_w))):
+            if t is not None and call.outputs[i] is not None:
+                out[i] = _sqrt(n) * t
+        return out
+    bcast = (1, -1) + (1,) * len(k)
+    if gi is not None:
+        energy = (go * go).sum(1, keepdim=True)
+        probe = torch.zeros((), dtype=x.dtype, device=x.device).expand((x.shape[0], 1) + tuple(x.shape[2:]))
+        back = aten.convolution_backward(energy, probe, torch.ones((1, 1) + k, dtype=x.dtype, device=x.device),
+                                         None, stride, padding, dilation, False, output_padding, 1,
+                                         [True, False, False])[0]
+        wn = _norm(w.transpose(0, 1).flatten(1), 1).repeat(groups).view(bcast)
+        n = w.shape[0] // groups * math.prod(k)
+        out[0] = _sqrt(n) * back.clamp_(min=0).sqrt_() * wn
+    n_pos = go.shape[0] * math.prod(go.shape[2:])
+    if gw is not None:
+        gon = _norm(go.transpose(0, 1).flatten(1), 1)  # (O,)
+        xn = _norm(x.transpose(0, 1).flatten(1), 1).view(groups, -1).amax(0)  # (C/groups,)
+        out[1] = (_sqrt(n_pos) * gon.view((-1, 1) + (1,) * len(k)) * xn.view((1, -1) + (1,) * len(k))).expand(gw.shape)
+    if gb is not None:
+        ago = go.abs()
+        total = ago.sum([0, *spatial])
+        out[2] = _certify(_sqrt(n_pos) * total, total, _min_quantum(ago, [0, *spatial], False))
+    return out
+
+
+def _reduction_sum(call):
+    x = call.arg("self")
+    dims = _dims(x, call.arg("dim"))
+    keep = call.arg("keepdim", False)
+    n = _count(x, dims)
+    ax = x.abs()
+    s = ax.sum(dims, keepdim=keep) if x.dim() else ax
+    if call.func._overloadpacket in (aten.mean, aten.nanmean):
+        s = s / max(n, 1)  # the division (or a multiplication by 1/n) is one more rounding
+        return [_sqrt(n) * s.reshape(call.outputs[0].shape)]
+    q = _min_quantum(ax, dims, keep) if x.dim() else _quantum(ax)
+    return [_certify(_sqrt(n) * s, s, q).reshape(call.outputs[0].shape)]
+
+
+def _cumsum(call):
+    x, dim = call.arg("self"), call.arg("dim")
+    return [_sqrt(x.shape[dim] if x.dim() else 1) * x.abs().cumsum(dim)]
+
+
+def _prod(call):
+    x = call.arg("self")
+    n = _count(x, _dims(x, call.arg("dim")))
+    return [_sqrt(n) * 2 * call.outputs[0].abs()]
+
+
+def _linear_op_of_abs(n_terms: Callable):
+    """For ops linear in their float inputs: scale = sqrt(n) * op(|inputs|) = sqrt(n) * sum|terms|."""
+
+    def scale(call):
+        args = [a.abs() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in call.args]
+        kwargs = {k: (v.abs() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in call.kwargs.items()}
+        res = call.func(*args, **kwargs)
+        res = list(res) if isinstance(res, (tuple, list)) else [res]
+        n = n_terms(call)
+        return [None if r is None or y is None else _sqrt(n) * r for r, y in zip(res, call.outputs)]
+
+    return scale
+
+
+def _pool_overlap(call):
+    k = call.arg("kernel_size")
+    stride = call.arg("stride") or k
+    k = list(k) if isinstance(k, (list, tuple)) else [k]
+    stride = list(stride) if isinstance(stride, (list, tuple)) else [stride]
+    if len(stride) == 1 and len(k) > 1:
+        stride = stride * len(k)
+    if len(k) == 1 and len(stride) > 1:
+        k = k * len(stride)
+    return math.prod(-(-ki // max(si, 1)) for ki, si in zip(k, stride))
+
+
+def _pool_window(call):
+    k = call.arg("kernel_size")
+    return math.prod(k) if isinstance(k, (list, tuple)) else int(k) ** 2
+
+
+def _adaptive_window(call):
+    x = call.args[0]
+    out = call.outputs[0]
+    return math.prod(-(-x.shape[d] // max(out.shape[d], 1)) + 1 for d in range(2, x.dim()))
+
+
+def _embedding_dense_backward(call):
+    go, idx, num = call.arg("grad_output"), call.arg("indices"), call.arg("num_weights")
+    counts = torch.bincount(idx.reshape(-1), minlength=num).to(go.dtype)
+    by_freq = call.arg("scale_grad_by_freq")
+    ago = go.abs()
+    absum = aten.embedding_dense_backward(ago, idx, num, call.arg("padding_idx"), by_freq)
+    scale = counts.clamp(min=1).sqrt().unsqueeze(1) * absum
+    if by_freq:
+        return [scale]
+    # quantum per embedding row: the smallest quantum of any gradient row that lands in it
+    rows = ago.reshape(-1, ago.shape[-1])
+    row_q = _min_quantum(rows, [1], False)
+    q = torch.full((num,), math.inf, dtype=go.dtype, device=go.device).scatter_reduce(
+        0, idx.reshape(-1), row_q, "amin")
+    return [_certify(scale, absum, q.unsqueeze(1))]
+
+
+def _index_put(call):
+    self_, values = call.arg("self"), call.arg("values")
+    acc = aten.index_put(torch.zeros_like(self_), call.arg("indices"), values.abs(), True)
+    return [self_.abs() + _sqrt(values.numel()) * acc]
+
+
+def _scatter_add(call):
+    self_, src = call.arg("self"), call.arg("src")
+    acc = aten.scatter_add(torch.zeros_like(self_), call.arg("dim"), call.arg("index"), src.abs())
+    return [self_.abs() + _sqrt(src.numel()) * acc]
+
+
+def _index_add(call):
+    self_, src = call.arg("self"), call.arg("source")
+    alpha = abs(float(call.arg("alpha", 1)))
+    acc = aten.index_add(torch.zeros_like(self_), call.arg("dim"), call.arg("index"), src.abs())
+    return [self_.abs() + alpha * _sqrt(src.numel()) * acc]
+
+
+def _logsumexp(call):
+    x = call.arg("self")
+    dims = _dims(x, call.arg("dim"))
+    n = _count(x, dims)
+    m = x.abs().amax(dims, keepdim=call.arg("keepdim", False))
+    return [call.outputs[0].abs() + m + math.log(max(n, 1)) + _sqrt(n)]
+
+
+# --- variance and norms --------------------------------------------------------------------------
+
+
+def _correction(call):
+    c = call.arg("correction")
+    if c is None:
+        unbiased = call.arg("unbiased", True)
+        c = 1 if unbiased is None or unbiased else 0
+    return float(c)
+
+
+def _var_like(call):
+    x = call.arg("self")
+    dims = _dims(x, call.arg("dim"))
+    keep = call.arg("keepdim", False)
+    n = _count(x, dims)
+    denom = max(n - _correction(call), 1.0)
+    sq = (x * x).sum(dims, keepdim=keep)
+    s_var = _sqrt(n) * sq / denom
+    packet = call.func._overloadpacket
+    out = []
+    y0 = call.outputs[0]
+    if packet in (aten.std, aten.std_mean):
+        out.append(s_var / (2 * y0.abs()) + y0.abs())
+    else:
+        out.append(s_var + y0.abs())
+    if packet in (aten.var_mean, aten.std_mean):
+        out.append(_sqrt(n) * x.abs().sum(dims, keepdim=keep) / max(n, 1))
+    return out
+
+
+def _vector_norm(call):
+    x = call.args[0]
+    ord_ = call.arg("ord", 2)
+    dims = _dims(x, call.arg("dim"))
+    n = _count(x, dims)
+    p = float(ord_) if ord_ is not None else 2.0
+    return [(_sqrt(n) + 4 * max(1.0, abs(p) if math.isfinite(p) else 1.0)) * call.outputs[0].abs()]
+
+
+# --- softmax and losses --------------------------------------------------------------------------
+
+
+def _softmax(call):
+    x, dim = call.args[0], call.args[1]
+    n = x.shape[dim] if x.dim() else 1
+    return [(4 + _sqrt(n)) * call.outputs[0].abs()]
+
+
+def _log_softmax(call):
+    x, dim = call.args[0], call.args[1]
+    n = x.shape[dim] if x.dim() else 1
+    # y = (x - max) - log(sum exp(x - max)); 0 <= log(sum) <= ln n, |x - max| <= |y| + ln n
+    return [2 * call.outputs[0].abs() + 2 * math.log(max(n, 1)) + _sqrt(n)]
+
+
+def _softmax_backward(call):
+    go, y, dim = call.arg("grad_output"), call.arg("output"), call.arg("dim")
+    n = y.shape[dim] if y.dim() else 1
+    inner = (go * y).abs().sum(dim, keepdim=True)
+    return [y.abs() * (go.abs() + _sqrt(n) * inner) + call.outputs[0].abs()]
+
+
+def _log_softmax_backward(call):
+    go, y, dim = call.arg("grad_output"), call.arg("output"), call.arg("dim")
+    gi = call.outputs[0]
+    n = y.shape[dim] if y.dim() else 1
+    abs_sum = go.abs().sum(dim, keepdim=True)
+    ratio = abs_sum / go.sum(dim, keepdim=True).abs()  # inf where the sum cancels to 0
+    # gi = go - p * sum(go): p * error(sum) <= (|gi| + |go|) * error(sum) / |sum|, or p <= 1
+    a = (gi.abs() + go.abs()) * (2 + _sqrt(n) * ratio)
+    b = 2 * go.abs() + gi.abs() + _sqrt(n) * abs_sum
+    return [torch.minimum(a.nan_to_num(nan=math.inf), b)]
+
+
+def _nll_loss_forward(call):
+    x, target = call.arg("self"), call.arg("target")
+    weight, reduction, ignore = call.arg("weight"), call.arg("reduction"), call.arg("ignore_index")
+    absw = weight.abs() if weight is not None else None
+    loss, total = call.func(-x.abs(), target, absw, reduction, ignore)
+    n = target.numel() if reduction != 0 else 1
+    return [_sqrt(n) * loss.abs() + call.outputs[0].abs(), _sqrt(target.numel()) * total.abs()]
+
+
+def _mse_loss(call):
+    n = call.arg("self").numel() if call.arg("reduction", 1) != 0 else 1
+    return [(_sqrt(n) + 2) * call.outputs[0].abs()]
+
+
+# --- normalization ------------------------------------------------------------------------------
+
+
+def _layer_norm(call):
+    x, shape = call.arg("input"), call.arg("normalized_shape")
+    w, b = call.arg("weight"), call.arg("bias")
+    out, mean, rstd = call.outputs[:3]
+    dims = list(range(x.dim() - len(shape), x.dim()))
+    n = _count(x, dims)
+    return _norm_scales(x, dims, n, w, b, out, mean, rstd, stat_shape=mean.shape)
+
+
+def _norm_scales(x, dims, n, w, b, out, mean, rstd, stat_shape, wb_view=None):
+    """Scales for y = (x - mean) * rstd * w + b and the statistics, shared by layer/batch/group norm."""
+    sq = (x * x).mean(dims, keepdim=True)
+    mabs = x.abs().mean(dims, keepdim=True)
+    r = rstd.reshape(sq.shape) if rstd.numel() == sq.numel() else rstd
+    kappa = 4 + _sqrt(n) * sq * r * r  # relative error of rstd, in u (variance cancellation)
+    wv = 1.0 if w is None else (w.abs().view(wb_view) if wb_view else w.abs())
+    bv = 0.0 if b is None else (b.abs().view(wb_view) if wb_view else b.abs())
+    centred = (out - (0.0 if b is None else (b.view(wb_view) if wb_view else b))).abs()
+    s_out = centred * kappa + wv * _sqrt(n) * mabs * r + bv + out.abs()
+    s_mean = (_sqrt(n) * mabs).reshape(stat_shape) if mean is not None and mean.numel() else None
+    s_rstd = (r * kappa).reshape(stat_shape) if rstd is not None and rstd.numel() else None
+    return [s_out, s_mean, s_rstd]
+
+
+def _layer_norm_backward(call):
+    go, x, shape = call.arg("grad_out"), call.arg("input"), call.arg("normalized_shape")
+    mean, rstd, w = call.arg("mean"), call.arg("rstd"), call.arg("weight")
+    dims = list(range(x.dim() - len(shape), x.dim()))
+    lead = list(range(x.dim() - len(shape)))
+    n = _count(x, dims)
+    n_rows = _count(x, lead)
+    xhat = (x - mean) * rstd
+    g = go if w is None else go * w
+    gi, gw, gb = call.outputs[:3]
+    out = [None, None, None]
+    if gi is not None:
+        mg = g.abs().mean(dims, keepdim=True)
+        mgx = (g * xhat).abs().mean(dims, keepdim=True)
+        xr = x.abs() * rstd
+        out[0] = rstd * (4 * g.abs() + _sqrt(n) * (mg + xhat.abs() * mgx) + 4 * xr * mgx) + gi.abs()
+    if gw is not None:
+        out[1] = _sqrt(n_rows) * (go.abs() * (xhat.abs() + 2 * x.abs() * rstd)).sum(lead)
+    if gb is not None:
+        ago = go.abs()
+        total = ago.sum(lead)
+        out[2] = _certify(_sqrt(n_rows) * total, total, _min_quantum(ago, lead, False))
+    return out
+
+
+def _batch_norm_core(call, x, w, b, rm, rv, training, momentum, outputs, mutated=True):
+    dims = [0] + list(range(2, x.dim()))
+    n = _count(x, dims)
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    out, save_mean, save_invstd = outputs[:3]
+    if training:
+        r = save_invstd.view(view)
+        m = save_mean
+    else:
+        eps = float(call.arg("eps"))
+        r = (rv + eps).rsqrt().view(view)
+        m = None
+    scales = _norm_scales(x, dims, n, w, b, out, m if training else None, r, stat_shape=(-1,), wb_view=view)
+    if not training:
+        # y = (x - running_mean) * rstd * w + b: no reduction, a few roundings
+        centred = (x - rm.view(view)).abs()
+        wv = 1.0 if w is None else w.abs().view(view)
+        scales[0] = (centred + rm.abs().view(view)) * r * wv * 4 + (0.0 if b is None else b.abs().view(view)) + out.abs()
+        scales[1] = scales[2] = None
+    result = [scales[0], scales[1] if save_mean is not None and save_mean.numel() else None,
+              scales[2] if save_invstd is not None and save_invstd.numel() else None]
+    if mutated and training and rm is not None:
+        mom = float(momentum)
+        mabs = x.abs().mean(dims)
+        sq = (x * x).mean(dims) * n / max(n - 1, 1)
+        result.append((1 - mom) * rm.abs() + mom * _sqrt(n) * mabs + outputs[3].abs())
+        result.append((1 - mom) * rv.abs() + mom * _sqrt(n) * sq + outputs[4].abs())
+    return result
+
+
+def _native_batch_norm(call):
+    x, w, b = call.arg("input"), call.arg("weight"), call.arg("bias")
+    rm, rv = call.arg("running_mean"), call.arg("running_var")
+    training = call.arg("training", True)
+    return _batch_norm_core(call, x, w, b, rm, rv, training, call.arg("momentum"), call.outputs)
+
+
+def _batch_norm_no_training(call):
+    x, w, b = call.arg("input"), call.arg("weight"), call.arg("bias")
+    rm, rv = call.arg("running_mean"), call.arg("running_var")
+    return _batch_norm_core(call, x, w, b, rm, rv, False, 0.0, call.outputs)
+
+
+def _batch_norm_no_stats(call):
+    x, w, b = call.arg("input"), call.arg("weight"), call.arg("bias")
+    return _batch_norm_core(call, x, w, b, None, None, True, 0.0, call.outputs, mutated=False)
+
+
+def _batch_norm_backward(call):
+    go, x, w = call.arg("grad_out"), call.arg("input"), call.arg("weight")
+    train = call.arg("train")
+    if train:
+        mean, invstd = call.arg("save_mean"), call.arg("save_invstd")
+    else:
+        mean, invstd = call.arg("running_mean"), (call.arg("running_var") + float(call.arg("eps"))).rsqrt()
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    dims = [0] + list(range(2, x.dim()))
+    n = _count(x, dims)
+    r = invstd.view(view)
+    xhat = (x - mean.view(view)) * r
+    wv = 1.0 if w is None else w.view(view)
+    g = go * wv
+    gi, gw, gb = call.outputs[:3]
+    out = [None, None, None]
+    if gi is not None:
+        if train:
+            mg = g.abs().mean(dims, keepdim=True)
+            mgx = (g * xhat).abs().mean(dims, keepdim=True)
+            out[0] = r * (4 * g.abs() + _sqrt(n) * (mg + xhat.abs() * mgx) + 4 * x.abs() * r * mgx) + gi.abs()
+        else:
+            out[0] = 4 * (g * r).abs() + gi.abs()
+    if gw is not None:
+        out[1] = _sqrt(n) * (go.abs() * (xhat.abs() + 2 * x.abs() * r)).sum(dims)
+    if gb is not None:
+        ago = go.abs()
+        total = ago.sum(dims)
+        out[2] = _certify(_sqrt(n) * total, total, _min_quantum(ago, dims, False))
+    return out
+
+
+def _group_norm(call):
+    x, w, b = call.arg("input"), call.arg("weight"), call.arg("bias")
+    N, C, HxW, G = call.arg("N"), call.arg("C"), call.arg("HxW"), call.arg("group")
+    out, mean, rstd = call.outputs[:3]
+    xg = x.reshape(N, G, -1)
+    n = xg.shape[-1]
+    sq = (xg * xg).mean(-1, keepdim=True)
+    mabs = xg.abs().mean(-1, keepdim=True)
+    r = rstd.reshape(N, G, 1)
+    kappa = 4 + _sqrt(n) * sq * r * r
+    shape_c = (1, C) + (1,) * (x.dim() - 2)
+    wv = 1.0 if w is None else w.abs().view(shape_c)
+    bv = 0.0 if b is None else b.abs().view(shape_c)
+    centred = (out - (0.0 if b is None else b.view(shape_c))).abs()
+    per_group = lambda t: t.expand(N, G, C // G * HxW).reshape(x.shape)  # noqa: E731
+    s_out = centred * per_group(kappa) + wv * _sqrt(n) * per_group(mabs * r) + bv + out.abs()
+    return [s_out, (_sqrt(n) * mabs).reshape(mean.shape), (r * kappa).reshape(rstd.shape)]
+
+
+def _group_norm_backward(call):
+    go, x, mean, rstd, w = (call.arg("grad_out"), call.arg("input"), call.arg("mean"), call.arg("rstd"),
+                            call.arg("weight"))
+    N, C, HxW, G = call.arg("N"), call.arg("C"), call.arg("HxW"), call.arg("group")
+    shape_c = (1, C) + (1,) * (x.dim() - 2)
+    g = go if w is None else go * w.view(shape_c)
+    xg, gg = x.reshape(N, G, -1), g.reshape(N, G, -1)
+    r, m = rstd.reshape(N, G, 1), mean.reshape(N, G, 1)
+    xhat = (xg - m) * r
+    n = xg.shape[-1]
+    gi, gw, gb = call.outputs[:3]
+    out = [None, None, None]
+    if gi is not None:
+        mg = gg.abs().mean(-1, keepdim=True)
+        mgx = (gg * xhat).abs().mean(-1, keepdim=True)
+        out[0] = (r * (4 * gg.abs() + _sqrt(n) * (mg + xhat.abs() * mgx) + 4 * xg.abs() * r * mgx)).reshape(x.shape) + gi.abs()
+    dims = [0] + list(range(2, x.dim()))
+    n_w = _count(x, dims)
+    xh = xhat.reshape(x.shape)
+    if gw is not None:
+        out[1] = _sqrt(n_w) * (go.abs() * (xh.abs() + 2 * (xg.abs() * r).reshape(x.shape))).sum(dims)
+    if gb is not None:
+        out[2] = _sqrt(n_w) * go.abs().sum(dims)
+    return out
+
+
+# --- elementwise --------------------------------------------------------------------------------
+
+
+def _operand_x(call):
+    x = call.args[0]
+    return [x.abs() + call.outputs[0].abs()]
+
+
+def _grad_times(factor: Callable):
+    def scale(call):
+        go, x = call.args[0], call.args[1]
+        return [go.abs() * factor(x) + call.outputs[0].abs()]
+    return scale
+
+
+def _tanh_backward(call):
+    go, y = call.arg("grad_output"), call.arg("output")
+    return [call.outputs[0].abs() + go.abs() * y * y]
+
+
+def _rsub(call):
+    other = call.arg("other")
+    return [_abs(other) + call.outputs[0].abs()]
+
+
+def _arange(call):
+    start = call.arg("start", 0)
+    step = call.arg("step", 1)
+    return [call.outputs[0].abs() + abs(float(start)) + abs(float(step))]
+
+
+def _linspace(call):
+    return [call.outputs[0].abs() + abs(float(call.arg("start"))) + abs(float(call.arg("end")))]
+
+
+def _foreach(base: Callable):
+    """Apply a per-tensor scale to each tensor of a foreach op."""
+
+    def scale(call):
+        selfs = call.args[0]
+        out = []
+        for i, y in enumerate(call.outputs):
+            if y is None:
+                out.append(None)
+                continue
+            out.append(base(selfs[i] if i < len(selfs) else None, y))
+        return out
+
+    return scale
+
+
+def _foreach_norm_scale(self_i, y):
+    n = self_i.numel() if self_i is not None else 1
+    return (_sqrt(n) + 4) * y.abs()
+
+
+# --- dynamic choices -----------------------------------------------------------------------------
+
+
+def _is_one(v) -> bool:
+    try:
+        return float(v) == 1.0
+    except (TypeError, ValueError):
+        return False
+
+
+def _is_scalar_operand(v) -> bool:
+    return not isinstance(v, torch.Tensor) or (v.dim() == 0 and v.device.type == "cpu")
+
+
+class Choose:
+    """A row whose rule depends on the call's arguments (given by schema name)."""
+
+    def __init__(self, pick: Callable):
+        self.pick = pick
+
+
+def _alpha_rule(exact: Rule, approx: Rule):
+    return Choose(lambda a: exact if _is_one(a.get("alpha", 1)) else approx)
+
+
+def _div_rule(a):
+    if a.get("rounding_mode") not in (None,):
+        return EXACT_RULE
+    # CUDA divides by a CPU scalar by multiplying with its reciprocal: two roundings, not one
+    return APPROX_REL if _is_scalar_operand(a.get("other")) else EXACT_RULE
+
+
+def _copy_rule(a):
+    src, dst = a.get("src"), a.get("self")
+    if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.dtype == dst.dtype:
+        return PASS_RULE
+    return EXACT_RULE
+
+
+def _to_copy_rule(a):
+    src, dtype = a.get("self"), a.get("dtype")
+    if dtype is None or (isinstance(src, torch.Tensor) and src.dtype == dtype):
+        return PASS_RULE
+    return EXACT_RULE
+
+
+def _index_put_rule(a):
+    return Rule(APPROX, "accumulate", _index_put) if a.get("accumulate") else PASS_RULE
+
+
+def _scalar_other_rule(a):
+    return EXACT_RULE if not isinstance(a.get("value", a.get("other")), torch.Tensor) else PASS_RULE
+
+
+PASS_RULE = Rule(PASSTHROUGH)
+EXACT_RULE = Rule(EXACT)
+APPROX_REL = Rule(APPROX, "elementwise", _rel)
+SELF_PLUS = Rule(APPROX, "elementwise", _self_plus_result)
+
+
+def _acc(fn):
+    return Rule(APPROX, "accumulate", fn)
+
+
+def _ew(fn):
+    return Rule(APPROX, "elementwise", fn)
+
+
+def _unsupported(why):
+    return Rule(UNSUPPORTED, why=why)
+
+
+_PASSTHROUGH_NAMES = """
+view _unsafe_view _reshape_alias reshape t transpose permute expand expand_as squeeze unsqueeze select
+slice narrow as_strided unfold diagonal alias detach unbind split split_with_sizes chunk view_as
+movedim clone contiguous lift_fresh lift_fresh_copy empty empty_like empty_strided new_empty
+new_empty_strided zeros zeros_like ones ones_like new_zeros new_ones zero cat stack hstack vstack
+index_select gather index _unsafe_index take masked_select repeat flip roll tril triu embedding
+slice_backward select_backward diagonal_backward unsqueeze_copy squeeze_copy view_copy
+relu threshold_backward abs neg sign sgn positive floor ceil round trunc
+eq ne lt le gt ge logical_and logical_or logical_not logical_xor isnan isinf isfinite isneginf isposinf
+bitwise_and bitwise_or bitwise_xor bitwise_not __and__ __or__ __xor__
+max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices max_pool2d max_pool3d
+max amax min amin maximum minimum fmax fmin argmax argmin sort topk kthvalue argsort msort
+any all count_nonzero nonzero nonzero_static unique _unique2 unique_consecutive unique_dim
+one_hot bincount histc bucketize searchsorted
+_local_scalar_dense item is_nonzero equal is_same_size resize_ resize_as_ set_ _has_compatible_shallow_copy_type
+scalar_tensor_ detach_ _to_dense sym_size sym_stride sym_numel sym_storage_offset
+hardtanh_backward _foreach_zero _foreach_zero_ _foreach_copy _foreach_copy_
+fill_diagonal_ expand_copy permute_copy transpose_copy t_copy slice_copy select_copy split_copy unbind_copy
+index_fill masked_scatter pixel_shuffle pixel_unshuffle channel_shuffle
+""".split()
+
+_EXACT_NAMES = """
+mul sqrt reciprocal fill full full_like new_full scalar_tensor constant_pad_nd threshold hardtanh
+leaky_relu leaky_relu_backward clamp clamp_min clamp_max fmod
+_foreach_mul _foreach_sqrt _foreach_neg _foreach_abs _foreach_maximum _foreach_minimum
+_foreach_clamp_min _foreach_clamp_max _foreach_reciprocal _foreach_sign
+""".split()
+
+_ELEMENTWISE_REL = """
+exp exp2 expm1 log log2 log10 log1p sigmoid tanh erf erfc rsqrt sinh cosh asinh acosh atanh atan asin
+acos pow float_power softplus elu celu selu silu logit erfinv lgamma digamma remainder floor_divide
+xlogy special_xlog1py reciprocal_ softplus_backward sigmoid_backward logit_backward
+_foreach_exp _foreach_log _foreach_pow _foreach_sigmoid _foreach_tanh _foreach_erf _foreach_log1p _foreach_expm1
+""".split()
+
+RULES: dict[str, object] = {}
+
+for _n in _PASSTHROUGH_NAMES:
+    RULES[_n] = PASS_RULE
+for _n in _EXACT_NAMES:
+    RULES[_n] = EXACT_RULE
+for _n in _ELEMENTWISE_REL:
+    RULES[_n] = APPROX_REL
+
+RULES.update({
+    # selection with a scalar is exact but the scalar must land on the grid
+    "where": Choose(lambda a: EXACT_RULE if not all(isinstance(a.get(k), torch.Tensor) for k in ("self", "other"))
+                    else PASS_RULE),
+    "masked_fill": Choose(_scalar_other_rule),
+    "fill_": Choose(_scalar_other_rule),
+    "scatter": Choose(lambda a: EXACT_RULE if "value" in a and not isinstance(a.get("value"), torch.Tensor) else PASS_RULE),
+    "index_put": Choose(_index_put_rule),
+    "copy": Choose(_copy_rule),
+    "_to_copy": Choose(_to_copy_rule),
+    "add": _alpha_rule(EXACT_RULE, SELF_PLUS),
+    "sub": _alpha_rule(EXACT_RULE, SELF_PLUS),
+    "rsub": Choose(lambda a: EXACT_RULE if _is_one(a.get("alpha", 1)) else _ew(_rsub)),
+    "div": Choose(_div_rule),
+    "true_divide": Choose(_div_rule),
+    "_foreach_add": _alpha_rule(EXACT_RULE, _ew(_foreach(lambda s, y: s.abs() + y.abs()))),
+    "_foreach_sub": _alpha_rule(EXACT_RULE, _ew(_foreach(lambda s, y: s.abs() + y.abs()))),
+    "_foreach_div": Choose(lambda a: _ew(_foreach(lambda s, y: y.abs()))
+                           if not isinstance(a.get("other", a.get("scalar", a.get("scalars"))), (list, tuple))
+                           or not all(isinstance(t, torch.Tensor) for t in a.get("other", []) or [None])
+                           else EXACT_RULE),
+    "_foreach_addcmul": _ew(_foreach(lambda s, y: s.abs() + y.abs())),
+    "_foreach_addcdiv": _ew(_foreach(lambda s, y: s.abs() + y.abs())),
+    "_foreach_lerp": _ew(_foreach(lambda s, y: s.abs() + y.abs())),
+    "_foreach_norm": Rule(APPROX, "accumulate", _foreach(_foreach_norm_scale)),
+    # short elementwise formulas
+    "addcmul": SELF_PLUS, "addcdiv": SELF_PLUS, "lerp": SELF_PLUS, "addr": SELF_PLUS,
+    "gelu": _ew(_operand_x), "mish": _ew(_operand_x), "hardswish": _ew(_operand_x),
+    "hardsigmoid": _ew(_operand_x),
+    "sin": _ew(_result_plus_one), "cos": _ew(_result_plus_one), "tan": _ew(_result_plus_one),
+    "gelu_backward": _ew(_grad_times(lambda x: 2 + x.abs())),
+    "silu_backward": _ew(_grad_times(lambda x: 1 + x.abs())),
+    "mish_backward": _ew(_grad_times(lambda x: 2 + x.abs())),
+    "hardswish_backward": _ew(_grad_times(lambda x: 1 + x.abs())),
+    "hardsigmoid_backward": _ew(_grad_times(lambda x: 1 + x.abs())),
+    "elu_backward": _ew(_grad_times(lambda x: 2 + x.abs())),
+    "tanh_backward": _ew(_tanh_backward),
+    "arange": _ew(_arange),
+    "linspace": _ew(_linspace),
+    # accumulations
+    "mm": _acc(_mm), "bmm": _acc(_mm), "addmm": _acc(_addmm), "_addmm_activation": _acc(_addmm),
+    "baddbmm": _acc(_baddbmm), "mv": _acc(_mv), "addmv": _acc(_addmv), "dot": _acc(_dot), "vdot": _acc(_dot),
+    "convolution": _acc(_convolution), "convolution_backward": _acc(_convolution_backward),
+    "sum": _acc(_reduction_sum), "mean": _acc(_reduction_sum), "nansum": _acc(_reduction_sum),
+    "nanmean": _acc(_reduction_sum),
+    "cumsum": _acc(_cumsum), "prod": _acc(_prod), "cumprod": _acc(_prod), "logsumexp": _acc(_logsumexp),
+    "embedding_dense_backward": _acc(_embedding_dense_backward),
+    "scatter_add": _acc(_scatter_add), "index_add": _acc(_index_add),
+    "avg_pool1d": _acc(_linear_op_of_abs(_pool_window)),
+    "avg_pool2d": _acc(_linear_op_of_abs(_pool_window)), "avg_pool3d": _acc(_linear_op_of_abs(_pool_window)),
+    "avg_pool2d_backward": _acc(_linear_op_of_abs(_pool_overlap)),
+    "avg_pool3d_backward": _acc(_linear_op_of_abs(_pool_overlap)),
+    "max_pool2d_with_indices_backward": _acc(_linear_op_of_abs(_pool_overlap)),
+    "max_pool3d_with_indices_backward": _acc(_linear_op_of_abs(_pool_overlap)),
+    "_adaptive_avg_pool2d": _acc(_linear_op_of_abs(_adaptive_window)),
+    "_adaptive_avg_pool3d": _acc(_linear_op_of_abs(_adaptive_window)),
+    "_adaptive_avg_pool2d_backward": _acc(_linear_op_of_abs(lambda c: 4)),
+    "_adaptive_avg_pool3d_backward": _acc(_linear_op_of_abs(lambda c: 8)),
+    "upsample_nearest2d": PASS_RULE, "upsample_nearest1d": PASS_RULE,
+    "upsample_nearest2d_backward": _acc(_linear_op_of_abs(lambda c: 16)),
+    "upsample_bilinear2d": _acc(_linear_op_of_abs(lambda c: 4)),
+    "upsample_bilinear2d_backward": _acc(_linear_op_of_abs(lambda c: 16)),
+    # normalization, variance, norms
+    "var": Rule(APPROX, "normalization", _var_like), "std": Rule(APPROX, "normalization", _var_like),
+    "var_mean": Rule(APPROX, "normalization", _var_like), "std_mean": Rule(APPROX, "normalization", _var_like),
+    "linalg_vector_norm": Rule(APPROX, "accumulate", _vector_norm), "norm": Rule(APPROX, "accumulate", _vector_norm),
+    "native_layer_norm": Rule(APPROX, "normalization", _layer_norm),
+    "native_layer_norm_backward": Rule(APPROX, "normalization", _layer_norm_backward),
+    "native_batch_norm": Rule(APPROX, "normalization", _native_batch_norm),
+    "_native_batch_norm_legit": Choose(lambda a: Rule(APPROX, "normalization",
+                                                       _native_batch_norm if "running_mean" in a else _batch_norm_no_stats)),
+    "_native_batch_norm_legit_no_training": Rule(APPROX, "normalization", _batch_norm_no_training),
+    "native_batch_norm_backward": Rule(APPROX, "normalization", _batch_norm_backward),
+    "native_group_norm": Rule(APPROX, "normalization", _group_norm),
+    "native_group_norm_backward": Rule(APPROX, "normalization", _group_norm_backward),
+    # softmax and losses
+    "_softmax": Rule(APPROX, "softmax", _softmax), "_log_softmax": Rule(APPROX, "softmax", _log_softmax),
+    "_softmax_backward_data": Rule(APPROX, "softmax", _softmax_backward),
+    "_log_softmax_backward_data": Rule(APPROX, "softmax", _log_softmax_backward),
+    "nll_loss_forward": Rule(APPROX, "softmax", _nll_loss_forward),
+    "nll_loss2d_forward": Rule(APPROX, "softmax", _nll_loss_forward),
+    "nll_loss_backward": Rule(APPROX, "softmax", _rel), "nll_loss2d_backward": Rule(APPROX, "softmax", _rel),
+    "mse_loss": Rule(APPROX, "softmax", _mse_loss), "mse_loss_backward": Rule(APPROX, "softmax", _rel),
+    # random ops are drawn by the engine from the counter-based generator
+    **{n: Rule(RANDOM) for n in """bernoulli rand rand_like randn randn_like randint randint_like randperm
+       normal uniform multinomial native_dropout exponential random cauchy log_normal geometric""".split()},
+    # refused: these pick their algorithm by device, or keep their state on a device generator
+    **{n: _unsupported("fused optimizer kernels differ by device; veritrain runs optimizers with "
+                       "foreach=False, fused=False (construct the optimizer without fused=True)")
+       for n in "_fused_adam _fused_adamw _fused_sgd _fused_adagrad".split()},
+    **{n: _unsupported("the fused attention backend depends on the device; veritrain forces the math backend, "
+                       "so this op should not appear (call F.scaled_dot_product_attention, not the backend op)")
+       for n in """_scaled_dot_product_flash_attention _scaled_dot_product_efficient_attention
+       _scaled_dot_product_cudnn_attention _scaled_dot_product_flash_attention_for_cpu _flash_attention_forward
+       _efficient_attention_forward""".split()},
+    **{n: _unsupported("sampling from this distribution is not implemented by veritrain's counter-based generator")
+       for n in "poisson binomial _standard_gamma _sample_dirichlet rrelu_with_noise _fused_dropout".split()},
+    **{n: _unsupported("cudnn/miopen kernels are device-specific; veritrain disables cudnn inside a step")
+       for n in "cudnn_batch_norm miopen_batch_norm cudnn_convolution miopen_convolution".split()},
+})
+
+FALLBACK_RULE = Rule(APPROX, "fallback", None, why="no rule for this op")
+
+
+def _fallback_scale(call):
+    """|result| plus, for each float input, its magnitude where shapes match, else its maximum."""
+    scales = []
+    inputs = [a for a in _leaves(call.args) + _leaves(list(call.kwargs.values()))
+              if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    for y in call.outputs:
+        if y is None:
+            scales.append(None)
+            continue
+        s = y.abs()
+        for t in inputs:
+            try:
+                s = s + torch.broadcast_to(t.abs(), y.shape)
+            except RuntimeError:
+                s = s + (t.abs().max() if t.numel() else 0.0)
+        scales.append(s)
+    return scales
+
+
+def _leaves(xs):
+    out = []
+    for x in xs:
+        if isinstance(x, (list, tuple)):
+            out.extend(_leaves(list(x)))
+        else:
+            out.append(x)
+    return out
+
+
+def base_name(func) -> str:
+    """``aten.add_.Tensor`` -> ``add``; in-place and out= variants share the functional op's row."""
+    name = func._overloadpacket.__name__
+    if name.endswith("_") and not name.startswith("__") and name not in RULES:
+        name = name[:-1]
+    return name
+
+
+def lookup(func, named_args: dict | None = None) -> Rule:
+    row = RULES.get(base_name(func))
+    if row is None:
+        if func.namespace != "aten":
+            return PASS_RULE if not _returns_tensors(func) else FALLBACK_RULE
+        return PASS_RULE if _is_view_or_nontensor(func) else FALLBACK_RULE
+    if isinstance(row, Choose):
+        return row.pick(named_args or {})
+    return row
+
+
+def scale_for(rule: Rule, call: Call) -> Sequence:
+    fn = rule.scale or _fallback_scale
+    return fn(call)
+
+
+def _returns_tensors(func) -> bool:
+    return any(isinstance(r.type, torch.TensorType) or "Tensor" in str(r.type) for r in func._schema.returns)
+
+
+def _is_view_or_nontensor(func) -> bool:
+    schema = func._schema
+    if not _returns_tensors(func):
+        return True
+    # a view: returns alias an input without writing it
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)

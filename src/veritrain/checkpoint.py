@@ -1,0 +1,178 @@
+"""Training state: collect it, hash it, save it as safetensors, load it back.
+
+A state is (model parameters and buffers, optimizer state and hyperparameters, scheduler state, step).
+Tensor names in files and hashes:
+
+    model/<state_dict key>
+    optimizer/state/<parameter name>/<key>     (parameter names from model.named_parameters())
+
+Everything that is not a tensor (optimizer param_groups, non-tensor optimizer state, scheduler state) is
+kept as canonical JSON in the file's metadata and in the hash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .commitments import canonical_json, state_hash
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _param_names(model, optimizer):
+    by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            names.append(by_id.get(id(p), f"__param{len(names)}"))
+    return names
+
+
+def collect_state(model, optimizer, scheduler, step: int):
+    tensors, meta = {}, {}
+    for k, v in model.state_dict().items():
+        tensors[f"model/{k}"] = v.detach()
+    names = _param_names(model, optimizer)
+    sd = optimizer.state_dict()
+    opt_scalars = {}
+    for idx, st in sd["state"].items():
+        pname = names[idx]
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                tensors[f"optimizer/state/{pname}/{key}"] = val.detach()
+            else:
+                opt_scalars.setdefault(pname, {})[key] = val
+    groups = []
+    for g in sd["param_groups"]:
+        g = dict(g)
+        g["params"] = [names[i] for i in g["params"]]
+        groups.append(g)
+    meta["optimizer"] = {"class": type(optimizer).__name__, "param_groups": groups, "scalar_state": opt_scalars}
+    meta["scheduler"] = _scheduler_state(scheduler)
+    return tensors, meta
+
+
+def _scheduler_state(scheduler):
+    if scheduler is None:
+        return None
+    sd = scheduler.state_dict()
+    try:
+        canonical_json(sd)
+    except TypeError as e:
+        raise CheckpointError(f"scheduler state is not serialisable ({e}); use a scheduler whose "
+                              f"state_dict() holds plain values") from None
+    return {"class": type(scheduler).__name__, "state": sd}
+
+
+def hash_state(model, optimizer, scheduler, step: int) -> str:
+    tensors, meta = collect_state(model, optimizer, scheduler, step)
+    return state_hash(tensors, meta, step)
+
+
+def save_checkpoint(path: str, model, optimizer, scheduler, step: int) -> str:
+    """Write atomically; returns the state hash."""
+    tensors, meta = collect_state(model, optimizer, scheduler, step)
+    digest = state_hash(tensors, meta, step)
+    header = {"veritrain": canonical_json({"step": step, "meta": meta, "state_sha256": digest}).decode()}
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    os.close(fd)
+    try:
+        save_file(_unshared(tensors), tmp, metadata=header)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return digest
+
+
+def _unshared(tensors: dict) -> dict:
+    """Contiguous CPU tensors, copying any that share storage with one already taken (tied weights)."""
+    seen, out = set(), {}
+    for k in sorted(tensors):
+        v = tensors[k].detach().contiguous().cpu()
+        key = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() else None
+        if key is not None and key in seen:
+            v = v.clone()
+        seen.add(key)
+        out[k] = v
+    return out
+
+
+def read_checkpoint(path: str):
+    """(tensors, meta, step, recorded state hash). Raises CheckpointError naming the problem."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        tensors = load_file(path)
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            header = f.metadata() or {}
+        info = json.loads(header["veritrain"])
+    except (SafetensorError, KeyError, json.JSONDecodeError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable or not a veritrain checkpoint ({e})") from None
+    return tensors, info["meta"], int(info["step"]), info["state_sha256"]
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler):
+    """Restore the state in place; returns (step, recomputed state hash)."""
+    tensors, meta, step, recorded = read_checkpoint(path)
+    actual = state_hash(tensors, meta, step)
+    if actual != recorded:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its contents hash to {actual[:16]}…, "
+                              f"its header says {recorded[:16]}…")
+    model_sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    try:
+        model.load_state_dict(model_sd, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path} does not fit the task's model: {e}") from None
+    names = _param_names(model, optimizer)
+    index = {n: i for i, n in enumerate(names)}
+    state: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("optimizer/state/"):
+            pname, key = k[len("optimizer/state/"):].rsplit("/", 1)
+            if pname not in index:
+                raise CheckpointError(f"checkpoint {path}: optimizer state for unknown parameter {pname}")
+            state.setdefault(index[pname], {})[key] = v
+    for pname, vals in meta["optimizer"].get("scalar_state", {}).items():
+        state.setdefault(index[pname], {}).update(vals)
+    groups = []
+    for g in meta["optimizer"]["param_groups"]:
+        g = dict(g)
+        try:
+            g["params"] = [index[n] for n in g["params"]]
+        except KeyError as e:
+            raise CheckpointError(f"checkpoint {path}: optimizer group names unknown parameter {e}") from None
+        groups.append(g)
+    if meta["optimizer"]["class"] != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint {path} holds {meta['optimizer']['class']} state, "
+                              f"the task builds {type(optimizer).__name__}")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    _restore_exact_dtypes(optimizer, state)
+    if scheduler is not None and meta.get("scheduler"):
+        scheduler.load_state_dict(meta["scheduler"]["state"])
+    return step, hash_state(model, optimizer, scheduler, step)
+
+
+def _restore_exact_dtypes(optimizer, state):
+    # load_state_dict casts floating state to the parameter's dtype; keep what was saved (e.g. 'step')
+    for idx, vals in state.items():
+        p = [p for g in optimizer.param_groups for p in g["params"]][idx]
+        for key, v in vals.items():
+            if isinstance(v, torch.Tensor):
+                cur = optimizer.state[p].get(key)
+                if isinstance(cur, torch.Tensor) and cur.dtype != v.dtype:
+                    optimizer.state[p][key] = v.to(cur.device)

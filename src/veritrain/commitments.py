@@ -1,0 +1,95 @@
+"""Canonical hashes of training states and batches (byte layout: docs/FORMAT.md, "State hash").
+
+    state_hash = SHA-256(
+        b"veritrain-state/1\\0"
+        u64le(step)
+        for each tensor, sorted by name (UTF-8 bytes):
+            u32le(len(name)) name
+            u32le(len(dtype)) dtype          # "float32", "int64", ... (torch dtype name)
+            u32le(ndim) ndim * u64le(dim)
+            u64le(nbytes) raw little-endian C-order bytes
+        u64le(len(meta)) meta                # canonical JSON of everything else: optimizer
+    )                                        # hyperparameters, scalar state, scheduler state
+
+Canonical JSON: sorted keys, separators (",", ":"), floats as Python's shortest round-trip repr.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+
+import numpy as np
+import torch
+
+STATE_TAG = b"veritrain-state/1\0"
+BATCH_TAG = b"veritrain-batch/1\0"
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True, default=_json_default).encode()
+
+
+def _json_default(o):
+    if isinstance(o, torch.Tensor) and o.numel() == 1:
+        return o.item()
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    if isinstance(o, torch.dtype):
+        return str(o)
+    raise TypeError(f"cannot commit to a value of type {type(o).__name__}: {o!r}")
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return b""
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes()
+    if sys.byteorder == "big" and t.element_size() > 1:
+        raw = np.frombuffer(raw, dtype=np.dtype(f">u{t.element_size()}")).byteswap().tobytes()
+    return raw
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _update_tensor(h, name: str, t: torch.Tensor):
+    n = name.encode()
+    d = dtype_name(t.dtype).encode()
+    raw = tensor_bytes(t)
+    h.update(struct.pack("<I", len(n)) + n + struct.pack("<I", len(d)) + d + struct.pack("<I", t.dim()))
+    h.update(b"".join(struct.pack("<Q", s) for s in t.shape))
+    h.update(struct.pack("<Q", len(raw)))
+    h.update(raw)
+
+
+def state_hash(tensors: dict, meta: dict, step: int) -> str:
+    h = hashlib.sha256(STATE_TAG + struct.pack("<Q", step))
+    for name in sorted(tensors, key=lambda s: s.encode()):
+        _update_tensor(h, name, tensors[name])
+    m = canonical_json(meta)
+    h.update(struct.pack("<Q", len(m)) + m)
+    return h.hexdigest()
+
+
+def batch_hash(batch) -> str:
+    """Hash of the tensors a step consumed, in pytree order (names are their pytree paths)."""
+    from torch.utils._pytree import tree_flatten_with_path, keystr
+
+    h = hashlib.sha256(BATCH_TAG)
+    leaves, _ = tree_flatten_with_path(batch)
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            _update_tensor(h, keystr(path), leaf)
+        else:
+            m = canonical_json(leaf)
+            k = keystr(path).encode()
+            h.update(struct.pack("<I", len(k)) + k + b"\xff" + struct.pack("<Q", len(m)) + m)
+    return h.hexdigest()

@@ -1,0 +1,149 @@
+"""The task contract: how users hand their training code to veritrain.
+
+A task is a Python callable ``module:function`` that takes a config dict and returns a ``Task``. The
+module is found on the Python path. ``batch(step)`` must return the same tensors for the same step on
+every machine (use ``veritrain.randomness`` for shuffling and augmentation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+BUILTIN_TASKS = {
+    "digits-cnn": "veritrain.tasks.digits_cnn:make_task",
+    "gpt2-text": "veritrain.tasks.gpt2_text:make_task",
+}
+
+
+class TaskError(ValueError):
+    """The task reference, its config or what it returned is not usable."""
+
+
+@dataclass
+class Task:
+    """What a task function returns.
+
+    ``loss(model, batch)`` returns a scalar; veritrain then runs zero_grad, backward and the optimizer
+    step. Or ``train_step(model, optimizer, batch)`` does the whole step (clipping, several optimizers,
+    accumulation) and returns the loss. The scheduler, if any, is stepped after each step.
+    ``evaluate(model) -> dict`` optionally reports a metric on held-out data.
+    ``batch_indices(step)`` optionally names the examples a step consumes (for the run's data records).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: Callable[[int], Any]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    train_step: Callable[[torch.nn.Module, torch.optim.Optimizer, Any], torch.Tensor] | None = None
+    scheduler: Any = None
+    evaluate: Callable[[torch.nn.Module], dict] | None = None
+    batch_indices: Callable[[int], list] | None = None
+
+    def __post_init__(self):
+        if (self.loss is None) == (self.train_step is None):
+            raise TaskError("a Task needs exactly one of loss= or train_step=")
+        if not isinstance(self.model, torch.nn.Module):
+            raise TaskError(f"Task.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TaskError(f"Task.optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        if not callable(self.batch):
+            raise TaskError("Task.batch must be callable as batch(step)")
+
+    def run_step(self, batch):
+        """One optimizer step; returns the loss as a float."""
+        if self.train_step is not None:
+            loss = self.train_step(self.model, self.optimizer, batch)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss(self.model, batch)
+            loss.backward()
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def resolve(ref: str) -> str:
+    return BUILTIN_TASKS.get(ref, ref)
+
+
+def load_function(ref: str) -> Callable:
+    target = resolve(ref)
+    if ":" not in target:
+        raise TaskError(f"task {ref!r} is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor "
+                        f"'module:function'")
+    module_name, func_name = target.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TaskError(f"cannot import task module {module_name!r}: {e}") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise TaskError(f"module {module_name!r} has no callable {func_name!r}")
+    return fn
+
+
+def source_hash(ref: str) -> str:
+    """SHA-256 of the source file of the task's module (the auditor must run the same code)."""
+    fn = load_function(ref)
+    try:
+        src = inspect.getsource(inspect.getmodule(fn))
+    except (OSError, TypeError):
+        src = fn.__qualname__
+    return hashlib.sha256(src.encode()).hexdigest()
+
+
+def default_config(ref: str) -> dict:
+    fn = load_function(ref)
+    defaults = getattr(fn, "defaults", None) or getattr(inspect.getmodule(fn), "DEFAULTS", None)
+    return dict(defaults or {})
+
+
+def build(ref: str, config: dict) -> Task:
+    fn = load_function(ref)
+    task = fn(dict(config))
+    if not isinstance(task, Task):
+        raise TaskError(f"task function {resolve(ref)} returned {type(task).__name__}, not veritrain.Task")
+    normalize_optimizer(task.optimizer)
+    return task
+
+
+def normalize_optimizer(optimizer):
+    """Pin the optimizer to its single-tensor implementation: foreach and fused kernels are chosen by
+    device, so a GPU trainer and a CPU auditor would otherwise run different ops."""
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            raise TaskError(f"{type(optimizer).__name__}(fused=True) is not supported: the fused kernel differs "
+                            f"by device; construct the optimizer without fused=True")
+        for key in ("foreach", "fused", "capturable"):
+            if key in group:
+                group[key] = False if key != "fused" else None
+    for key in ("foreach", "fused", "capturable"):
+        if key in optimizer.defaults:
+            optimizer.defaults[key] = False if key != "fused" else None
+
+
+def parse_overrides(pairs: list[str], defaults: dict) -> dict:
+    """``key=value`` strings onto a config; values parse as JSON where they can, else stay strings."""
+    import json
+
+    config = dict(defaults)
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise TaskError(f"--set expects key=value, got {pair!r}")
+        key, value = pair.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise TaskError(f"--set expects key=value, got {pair!r}")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        config[key] = parsed
+    return config

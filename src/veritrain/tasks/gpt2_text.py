@@ -1,0 +1,154 @@
+"""A small GPT-2-style language model (Hugging Face GPT2LMHeadModel built from a config) on a text file.
+
+The causal LM loss is computed here, on the model's float32 logits: ``transformers``' built-in loss
+casts logits to float32 itself, which is not an op we want hidden inside the model. Tokens are either
+raw bytes (vocabulary 256) or GPT-2's byte-level BPE from a folder holding its vocabulary and merges.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from veritrain import randomness
+from veritrain.task import Task, TaskError
+
+DEFAULTS = {
+    "corpus": None,       # path to a UTF-8 text file (required)
+    "tokenizer": "bytes",  # "bytes", or a folder with GPT-2's encoder.json/vocab.json and vocab.bpe/merges.txt
+    "max_chars": 200_000,  # read at most this many characters of the corpus (0 = all)
+    "n_layer": 2,
+    "n_embd": 128,
+    "n_head": 4,
+    "seq_len": 64,
+    "batch_size": 8,
+    "dropout": 0.1,
+    "optimizer": "adamw",  # or "sgd" (momentum 0.9)
+    "lr": 1e-3,
+    "weight_decay": 0.01,
+    "clip_grad_norm": 0.0,  # > 0: clip with torch.nn.utils.clip_grad_norm_ (uses train_step)
+    "init_seed": 0,
+    "data_seed": 0,
+    "held_out_fraction": 0.1,
+}
+
+
+def read_corpus(path, max_chars: int) -> str:
+    if not path:
+        raise TaskError("gpt2-text: config 'corpus' is required (a path to a text file, e.g. "
+                        "--set corpus=../shared/data/shakespeare.txt)")
+    path = os.path.expanduser(str(path))
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(max_chars) if max_chars else f.read()
+    except FileNotFoundError:
+        raise TaskError(f"gpt2-text: corpus file {path!r} (config 'corpus') does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskError(f"gpt2-text: cannot read corpus {path!r} (config 'corpus'): {e}") from None
+    if not text:
+        raise TaskError(f"gpt2-text: corpus {path!r} is empty")
+    return text
+
+
+def load_bpe_tokenizer(folder):
+    from transformers import GPT2TokenizerFast
+
+    folder = os.path.expanduser(str(folder))
+    if not os.path.isdir(folder):
+        raise TaskError(f"config 'tokenizer': {folder!r} is not a folder with GPT-2 tokenizer files "
+                        f"(or use tokenizer=bytes)")
+    vocab = next((os.path.join(folder, n) for n in ("vocab.json", "encoder.json")
+                  if os.path.exists(os.path.join(folder, n))), None)
+    merges = next((os.path.join(folder, n) for n in ("merges.txt", "vocab.bpe")
+                   if os.path.exists(os.path.join(folder, n))), None)
+    if vocab is None or merges is None:
+        raise TaskError(f"config 'tokenizer': {folder!r} lacks vocab.json/encoder.json or merges.txt/vocab.bpe")
+    try:
+        return GPT2TokenizerFast(vocab_file=vocab, merges_file=merges)
+    except Exception as e:  # a corrupt file: name it
+        raise TaskError(f"config 'tokenizer': cannot load GPT-2 BPE files from {folder!r}: {e}") from None
+
+
+def tokenize(text: str, tokenizer: str):
+    if tokenizer == "bytes":
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64), 256
+    tok = load_bpe_tokenizer(tokenizer)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return np.asarray(ids, dtype=np.int64), len(tok)
+
+
+def make_task(config: dict) -> Task:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    unknown = set(config) - set(DEFAULTS)
+    if unknown:
+        raise TaskError(f"gpt2-text: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **config}
+    tokens, vocab = tokenize(read_corpus(cfg["corpus"], int(cfg["max_chars"])), str(cfg["tokenizer"]))
+    seq, bs = int(cfg["seq_len"]), int(cfg["batch_size"])
+    n_test = int(len(tokens) * float(cfg["held_out_fraction"]))
+    train_tokens, test_tokens = torch.from_numpy(tokens[: len(tokens) - n_test]), torch.from_numpy(tokens[len(tokens) - n_test:])
+    if len(train_tokens) <= seq + 1:
+        raise TaskError(f"gpt2-text: the corpus has {len(train_tokens)} training tokens, fewer than seq_len+2")
+
+    gcfg = GPT2Config(vocab_size=vocab, n_positions=max(seq, 64), n_embd=int(cfg["n_embd"]),
+                      n_layer=int(cfg["n_layer"]), n_head=int(cfg["n_head"]), resid_pdrop=float(cfg["dropout"]),
+                      embd_pdrop=float(cfg["dropout"]), attn_pdrop=float(cfg["dropout"]),
+                      bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+    gcfg._attn_implementation = "eager"
+    torch.manual_seed(int(cfg["init_seed"]))
+    model = GPT2LMHeadModel(gcfg)
+    model.train()
+    lr, wd = float(cfg["lr"]), float(cfg["weight_decay"])
+    if cfg["optimizer"] == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    elif cfg["optimizer"] == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+    else:
+        raise TaskError(f"gpt2-text: config 'optimizer' must be 'adamw' or 'sgd', got {cfg['optimizer']!r}")
+    seed = int(cfg["data_seed"])
+
+    def batch_indices(step: int):
+        return randomness.integers(seed, step, bs, 0, len(train_tokens) - seq - 1).tolist()
+
+    def batch(step: int):
+        starts = batch_indices(step)
+        return torch.stack([train_tokens[s: s + seq + 1] for s in starts])
+
+    def lm_loss(model, ids):
+        logits = model(input_ids=ids[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    clip = float(cfg["clip_grad_norm"])
+
+    def train_step(model, optimizer, ids):
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        return loss
+
+    def evaluate(model, max_windows: int = 64):
+        was = model.training
+        model.eval()
+        n = min(max_windows, max(1, (len(test_tokens) - 1) // seq))
+        windows = [test_tokens[i * seq: i * seq + seq + 1] for i in range(n) if i * seq + seq + 1 <= len(test_tokens)]
+        if not windows:
+            return {}
+        with torch.no_grad():
+            nll = lm_loss(model, torch.stack(windows)).item()
+        model.train(was)
+        return {"loss": nll, "perplexity": float(np.exp(nll)), "windows": len(windows)}
+
+    if clip > 0:
+        return Task(model=model, optimizer=optimizer, batch=batch, train_step=train_step, evaluate=evaluate,
+                    batch_indices=batch_indices)
+    return Task(model=model, optimizer=optimizer, batch=batch, loss=lm_loss, evaluate=evaluate,
+                batch_indices=batch_indices)
+
+
+make_task.defaults = DEFAULTS

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -50,6 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the auditor's hardware variant")
 
     sub.add_parser("variants", help="list the emulated hardware variants")
+
+    c = sub.add_parser("calibrate", help="measure float64 differences across hardware variants; write thresholds")
+    c.add_argument("task")
+    c.add_argument("--variants", default="isa-default,isa-avx2,onednn-sse41,mkl-compatible,threads-1,no-mkldnn,combo",
+                   help="comma-separated hardware variants to compare against this machine")
+    c.add_argument("--steps", type=int, default=3)
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--bits", type=int, default=32)
+    c.add_argument("--out", required=True, help="new folder for the calibration run and its report")
+    c.add_argument("--quiet", action="store_true")
+
+    cmp_ = sub.add_parser("_compare")  # internal: one variant's replay for calibrate
+    cmp_.add_argument("run_dir")
+    cmp_.add_argument("probe_dir")
+    cmp_.add_argument("--out", required=True)
+    _variant_arg(cmp_)
     return parser
 
 
@@ -57,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     variant = getattr(args, "variant", None)
-    if args.command in ("train", "audit") and variant and os.environ.get(hardware.APPLIED) != variant:
+    if args.command in ("train", "audit", "_compare") and variant and os.environ.get(hardware.APPLIED) != variant:
         return hardware.run_in_variant(variant, argv)
     try:
         import torch  # noqa: F401
@@ -92,7 +110,45 @@ def _dispatch(args) -> int:
         return _audit(args)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
+    if args.command == "_compare":
+        return _compare(args)
     return 2
+
+
+def _calibrate(args) -> int:
+    from .calibrate import calibrate
+    from .runner import _check_new_run_dir
+    from .task import parse_overrides
+
+    variants = [v for v in args.variants.split(",") if v]
+    for v in variants:
+        if v not in hardware.VARIANTS:
+            raise ValueError(f"unknown variant {v!r}; known: {', '.join(hardware.VARIANTS)}")
+    _check_new_run_dir(args.out)
+    r = calibrate(args.task, parse_overrides(args.set, {}), args.steps, variants, args.out, seed=args.seed,
+                  bits=args.bits, progress=not args.quiet)
+    print(f"{'class':14s} {'max ratio':>10s} {'default c':>10s} {'margin':>8s} {'recommended':>12s}")
+    for cls, v in r["per_class"].items():
+        margin = "inf" if math.isinf(v["margin_of_default"]) else f"{v['margin_of_default']:.0f}x"
+        print(f"{cls:14s} {v['max_ratio']:10.3g} {v['default']:10g} {margin:>8s} {v['recommended']:12g}"
+              + (f"  EXACT VIOLATIONS: {v['exact_violations']}" if v["exact_violations"] else ""))
+    print(f"report and thresholds: {os.path.join(args.out, 'calibration.json')}")
+    return 0
+
+
+def _compare(args) -> int:
+    from .calibrate import CompareProbe
+    from .runner import audit
+
+    probe = CompareProbe(args.probe_dir)
+    r = audit(args.run_dir, None, progress=False, probe=probe)
+    out = {"variant": os.environ.get(hardware.APPLIED, "native"), "accepted": r.accepted, "reasons": r.reasons,
+           "hardware": r.hardware, **probe.report()}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1, sort_keys=True)
+    return 0 if r.accepted else 1
 
 
 def _train(args) -> int:

@@ -235,6 +235,7 @@ class VerifiedMode(TorchDispatchMode):
         self.in_optimizer = False
         self.rounding = config.mode in ("verified", "nolog")
         self.hashes: list | None = None  # per-op output hashes (dispute game), when enabled
+        self.probe = None  # calibration: called with each approx result before rounding
 
     # --- entry ----------------------------------------------------------------------------------
 
@@ -454,14 +455,18 @@ class VerifiedMode(TorchDispatchMode):
                 if record is not None and record.outputs[k].n_entries:
                     self._suspicious_block(func, slot, record.outputs[k], "entries for an exact op")
                 entries.append(OutputEntries(tuple(y.shape)))
-            elif self.writer is not None:
-                y32, e = self._record(y, analysis, slot)
-                entries.append(e)
-                stats.analysed += n
-            elif record is not None:
-                y32 = self._replay(func, y, analysis, slot, record.outputs[k], phase)
             else:
-                y32 = self.grid.round(y)
+                if self.probe is not None:
+                    self.probe(self.step, self.op_index, str(func), analysis.rule.op_class, slot, y,
+                               lambda a=analysis, sl=slot, sh=y.shape: a.scale(sl, sh))
+                if self.writer is not None:
+                    y32, e = self._record(y, analysis, slot)
+                    entries.append(e)
+                    stats.analysed += n
+                elif record is not None:
+                    y32 = self._replay(func, y, analysis, slot, record.outputs[k], phase)
+                else:
+                    y32 = self.grid.round(y)
             finals.append(y32)
             k += 1
         stats.rounded[phase] += n_rounded
@@ -766,7 +771,7 @@ def _tensor_digest(t: torch.Tensor) -> bytes:
 
 
 @contextlib.contextmanager
-def step_context(config: EngineConfig, step: int, writer=None, reader=None, op_hashes: bool = False):
+def step_context(config: EngineConfig, step: int, writer=None, reader=None, op_hashes: bool = False, probe=None):
     """Run one training step under the engine. Yields the VerifiedMode (its ``stats`` after exit).
 
     Also pins the device-dependent choices that would change the op stream between machines:
@@ -778,6 +783,7 @@ def step_context(config: EngineConfig, step: int, writer=None, reader=None, op_h
     mode = VerifiedMode(config, step, writer=writer, reader=reader)
     if op_hashes:
         mode.hashes = []
+    mode.probe = probe
 
     def pre(opt, a, k):
         mode.in_optimizer = True

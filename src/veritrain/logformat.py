@@ -385,3 +385,21 @@ class StepLogReader:
 def dense_encoding_bytes(rounded_values: int) -> float:
     """The paper's dense log: one of three states per rounded value, 5 values per byte (1.6 bits)."""
     return rounded_values * 1.6 / 8
+
+
+def write_records(path: str, step: int, bits: int, ops: list[OpRecord]) -> dict:
+    """Write a step log from records (tools and tests: e.g. to build a tampered log)."""
+    w = StepLogWriter(path, step, bits)
+    try:
+        for op in ops:
+            rounded = sum(int(np.prod(o.shape)) for o in op.outputs)
+            w.op(op.name, op.scalars, op.outputs, rounded)
+        return w.close()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def read_records(path: str) -> tuple[int, int, list[OpRecord]]:
+    with StepLogReader(path) as r:
+        return r.step, r.bits, r.read_all()

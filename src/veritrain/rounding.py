@@ -131,7 +131,7 @@ class Grid:
 
         In float64-ulp units of y, tau is below ``c scale / |y|``; an element is a candidate if its
         distance to the midpoint (clamped at the value-entry level) is below that, or if |y| is below
-        float32's normal range, where the bit test does not apply.
+        float32's normal range (where the bit test does not apply) and its scale is not zero.
         """
         return _candidates(y, scale, c, self)
 
@@ -145,9 +145,10 @@ def _candidates_eager(y, scale, c2: float, low_mask: int, half: int, value_units
     bits = y.view(_INT64)
     dev = torch.bitwise_and(bits, low_mask).sub_(half).abs_().clamp_(max=value_units)
     ay = y.abs()
-    lhs = dev.to(torch.float64).mul_(ay)
-    cand = lhs < scale * c2 if isinstance(scale, torch.Tensor) else lhs < (scale * c2)
-    return cand.logical_or_(ay < FLOAT32_MIN_NORMAL)
+    bound = scale * c2
+    cand = dev.to(torch.float64).mul_(ay) < bound
+    # below float32's normal range the bit test does not apply; a zero scale means exactly determined
+    return cand.logical_or_((ay < FLOAT32_MIN_NORMAL).logical_and_(bound > 0))
 
 
 _compiled = None

@@ -37,7 +37,7 @@ PASSTHROUGH, EXACT, APPROX, RANDOM, UNSUPPORTED = "passthrough", "exact", "appro
 # hardware variants stay far below these (docs/ROUNDING.md, `veritrain calibrate`).
 DEFAULT_THRESHOLDS = {
     "accumulate": 16.0,     # matmul, convolution, sums, pooling/embedding gradients
-    "elementwise": 16.0,    # short formulas and library functions, scalar-divisor division
+    "elementwise": 32.0,    # short formulas and library functions, scalar-divisor division
     "normalization": 16.0,  # layer/batch/group norm, variance
     "softmax": 16.0,        # softmax, log-softmax, losses
     "random": 16.0,         # normal, exponential, ... (transcendental transforms of uniforms)

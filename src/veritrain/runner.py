@@ -131,7 +131,7 @@ def _check_new_run_dir(path: str):
         raise RunError(f"{path} already exists and is not empty; choose a new --out (nothing was overwritten)")
 
 
-def train(opts: TrainOptions) -> dict:
+def train(opts: TrainOptions, probe=None) -> dict:
     if opts.steps < 0 or opts.checkpoint_every <= 0:
         raise RunError("--steps must be >= 0 and --checkpoint-every > 0")
     _check_new_run_dir(opts.out)
@@ -170,7 +170,7 @@ def train(opts: TrainOptions) -> dict:
     for step in range(opts.steps):
         writer = StepLogWriter(path(log_name(step)), step, opts.bits) if opts.mode == "verified" else None
         try:
-            with step_context(engine, step, writer=writer) as mode:
+            with step_context(engine, step, writer=writer, probe=probe) as mode:
                 batch = _prepare_batch(task.batch(step), opts.mode, grid)
                 loss = task.run_step(batch)
             log = writer.close() if writer else None
@@ -237,7 +237,7 @@ class AuditResult:
         return dict(self.__dict__)
 
 
-def audit(run_dir: str, out_dir: str | None = None, progress: bool = True) -> AuditResult:
+def audit(run_dir: str, out_dir: str | None = None, progress: bool = True, probe=None) -> AuditResult:
     t0 = time.perf_counter()
     m = load_manifest(run_dir)
     if out_dir:
@@ -279,7 +279,7 @@ def audit(run_dir: str, out_dir: str | None = None, progress: bool = True) -> Au
                 reasons.append(f"step {step}: {e}")
                 break
         try:
-            with step_context(engine, step, reader=reader) as st:
+            with step_context(engine, step, reader=reader, probe=probe) as st:
                 batch = _prepare_batch(task.batch(step), mode, grid)
                 task.run_step(batch)
         except (ReplayMismatchError, LogFormatError) as e:

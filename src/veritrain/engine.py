@@ -5,8 +5,8 @@ handled by its row in rules.py:
 
 * passthrough ops run natively;
 * exact ops are one correctly rounded IEEE operation: computed in float64 and rounded (at b = 32 the
-  float32 kernel gives the same bits, because rounding float64 results of +, -, *, / and sqrt to
-  float32 is innocuous, so it runs natively);
+  float32 kernel gives the same bits, because rounding float64 results of +, -, * and / to float32 is
+  innocuous, so it runs natively);
 * approx ops are computed in float64 and rounded; the trainer logs the results that sit within the
   op's threshold of a rounding midpoint, or whose cell is undetermined; the auditor forces those
   decisions and checks that each entry is plausible;
@@ -126,11 +126,15 @@ class EngineConfig:
 
 
 class _OpInfo:
-    __slots__ = ("names", "mutated", "functional", "variant", "targets", "has_dtype")
+    __slots__ = ("names", "defaults", "mutated", "functional", "variant", "targets", "has_dtype")
 
     def __init__(self, func):
         schema = func._schema
         self.names = [a.name for a in schema.arguments]
+        # the dispatcher leaves out arguments equal to their default (dtype/layout/device defaults come
+        # back as enum integers: leave those out, the engine treats them as "not given")
+        self.defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()
+                         and a.name not in ("dtype", "layout", "device", "memory_format", "pin_memory")}
         self.mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         self.has_dtype = "dtype" in self.names
         self.functional, self.variant, self.targets = None, "plain", []
@@ -168,8 +172,10 @@ def _info(func) -> _OpInfo:
 
 
 def _named(func, args, kwargs) -> dict:
-    names = _info(func).names
-    d = dict(zip(names, args))
+    """Arguments by schema name, defaults filled in."""
+    info = _info(func)
+    d = dict(info.defaults)
+    d.update(zip(info.names, args))
     d.update(kwargs)
     return d
 
@@ -690,10 +696,11 @@ class VerifiedMode(TorchDispatchMode):
             noise = self.__torch_dispatch__(aten.div_.Scalar, (), (noise, 1 - p), {})
             out = self.__torch_dispatch__(aten.mul.Tensor, (), (x, noise), {})
             return out, noise != 0
+        # the composite's backward is one multiplication by the saved noise, mask / (1 - p) rounded
         g, mask, scale = a["grad_output"], a["mask"], float(a["scale"])
-        keep = 1.0 / scale
-        noise = mask.to(g.dtype)
-        noise = self.__torch_dispatch__(aten.div_.Scalar, (), (noise, keep), {})
+        keep = float(np.float32(1.0 / scale))
+        value = self.grid.round(torch.tensor([1.0 / keep], dtype=torch.float64)).to(g.dtype)
+        noise = mask.to(g.dtype) * value.to(g.device)
         return self.__torch_dispatch__(aten.mul.Tensor, (), (g, noise), {})
 
 

@@ -200,8 +200,7 @@ class StepLogWriter:
                    + _varint(t.n_scalar))
         self._z.write(bytes(self._buf))
         self._buf.clear()
-        self._z.flush(zstandard.FLUSH_FRAME)
-        self._z.close()
+        self._z.close()  # ends the frame (a flush before it would append a second, empty frame)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -236,7 +235,13 @@ def _fsync_dir(d: str):
 
 
 class StepLogReader:
-    """Reads one step's records in order, without loading the whole file."""
+    """Reads one step's records in order, without loading the whole file.
+
+    Compressed input is fed to zstd a small chunk at a time, so a hostile file cannot make one read
+    inflate to more than a few megabytes; record sizes are checked before anything is allocated.
+    """
+
+    CHUNK = 1024
 
     def __init__(self, path_or_bytes, expect_step: int | None = None, expect_bits: int | None = None):
         self.source = path_or_bytes if isinstance(path_or_bytes, str) else "<bytes>"
@@ -247,7 +252,9 @@ class StepLogReader:
         if self._file.read(len(MAGIC)) != MAGIC:
             self._file.close()
             raise LogFormatError(f"{self.source}: not a veritrain rounding log (bad magic)")
-        self._z = zstandard.ZstdDecompressor().stream_reader(self._file, read_across_frames=False)
+        self._z = zstandard.ZstdDecompressor().decompressobj()
+        self._buf = bytearray()
+        self._pos = 0
         self._names: list[str] = []
         self.totals = StepTotals()
         self.end: StepTotals | None = None
@@ -261,17 +268,30 @@ class StepLogReader:
         if expect_bits is not None and self.bits != expect_bits:
             raise LogFormatError(f"{self.source}: log is for rounding amount b={self.bits}, expected {expect_bits}")
 
+    def _feed(self) -> bool:
+        """Decompress one more chunk; False at the end of the input."""
+        if self._z.eof:
+            return False
+        chunk = self._file.read(self.CHUNK)
+        if not chunk:
+            raise LogFormatError(f"{self.source}: truncated (the compressed frame is incomplete)")
+        try:
+            out = self._z.decompress(chunk)
+        except zstandard.ZstdError as e:
+            raise LogFormatError(f"{self.source}: corrupt compressed data ({e})") from None
+        if self._pos > 1 << 16:
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += out
+        return True
+
     def _read(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            try:
-                chunk = self._z.read(n - len(out))
-            except zstandard.ZstdError as e:
-                raise LogFormatError(f"{self.source}: corrupt compressed data ({e})") from None
-            if not chunk:
+        while len(self._buf) - self._pos < n:
+            if not self._feed():
                 raise LogFormatError(f"{self.source}: truncated (ended inside a record)")
-            out += chunk
-        return bytes(out)
+        out = bytes(self._buf[self._pos: self._pos + n])
+        self._pos += n
+        return out
 
     def _varint(self) -> int:
         shift, value = 0, 0
@@ -359,10 +379,11 @@ class StepLogReader:
         if (t.n_ops, t.n_dir, t.n_val, t.n_scalar) != (self.totals.n_ops, self.totals.n_dir, self.totals.n_val,
                                                        self.totals.n_scalar):
             raise LogFormatError(f"{self.source}: END totals do not match the records")
-        if self._z.read(1):
+        while self._feed():
+            pass
+        if len(self._buf) > self._pos:
             raise LogFormatError(f"{self.source}: data after the END record")
-        rest = self._file.read(1)
-        if rest:
+        if self._z.unused_data or self._file.read(1):
             raise LogFormatError(f"{self.source}: trailing bytes after the compressed frame")
         self.end = t
 

@@ -4,8 +4,9 @@ Each op the engine sees falls in one kind:
 
 * ``passthrough`` - creates no new floating value: views, data movement, selection, comparisons,
   integer results. Runs natively on the float32 tensors.
-* ``exact``       - one correctly rounded IEEE operation (add, sub, mul, div by a tensor, sqrt) or a
-  conversion; float64 gives the same bits on every conforming machine, so nothing is logged.
+* ``exact``       - one correctly rounded IEEE operation (add, sub, mul, div by a tensor) or a
+  conversion; float64 gives the same bits on every conforming machine, so nothing is logged. (sqrt is
+  not here: PyTorch's CPU kernel calls MKL's vector math library, which is not correctly rounded.)
 * ``approx``      - anything else. The engine computes it in float64, rounds it, and logs the results
   that another correct implementation could round differently. The row names a threshold class and
   an *error scale*: a tensor broadcastable to each output such that any two correct float64
@@ -774,17 +775,17 @@ index_fill masked_scatter pixel_shuffle pixel_unshuffle channel_shuffle
 """.split()
 
 _EXACT_NAMES = """
-mul sqrt reciprocal fill full full_like new_full scalar_tensor constant_pad_nd threshold hardtanh
+mul reciprocal fill full full_like new_full scalar_tensor constant_pad_nd threshold hardtanh
 leaky_relu leaky_relu_backward clamp clamp_min clamp_max fmod
-_foreach_mul _foreach_sqrt _foreach_neg _foreach_abs _foreach_maximum _foreach_minimum
+_foreach_mul _foreach_neg _foreach_abs _foreach_maximum _foreach_minimum
 _foreach_clamp_min _foreach_clamp_max _foreach_reciprocal _foreach_sign
 """.split()
 
 _ELEMENTWISE_REL = """
-exp exp2 expm1 log log2 log10 log1p sigmoid tanh erf erfc rsqrt sinh cosh asinh acosh atanh atan asin
+sqrt exp exp2 expm1 log log2 log10 log1p sigmoid tanh erf erfc rsqrt sinh cosh asinh acosh atanh atan asin
 acos pow float_power softplus elu celu selu silu logit erfinv lgamma digamma remainder floor_divide
 xlogy special_xlog1py reciprocal_ softplus_backward sigmoid_backward logit_backward
-_foreach_exp _foreach_log _foreach_pow _foreach_sigmoid _foreach_tanh _foreach_erf _foreach_log1p _foreach_expm1
+_foreach_sqrt _foreach_exp _foreach_log _foreach_pow _foreach_sigmoid _foreach_tanh _foreach_erf _foreach_log1p _foreach_expm1
 """.split()
 
 RULES: dict[str, object] = {}

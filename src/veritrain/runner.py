@@ -196,7 +196,11 @@ def train(opts: TrainOptions, probe=None) -> dict:
     bar.close()
     manifest["complete"] = True
     if task.evaluate is not None:
-        manifest["evaluation"] = task.evaluate(task.model)
+        import copy
+
+        # tasks evaluate with their own (float32) data; a float64 model is evaluated as a float32 copy
+        model = copy.deepcopy(task.model).float() if opts.mode == "fp64" else task.model
+        manifest["evaluation"] = task.evaluate(model)
     write_json_atomic(path(MANIFEST), manifest)
     return manifest
 

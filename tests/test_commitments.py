@@ -1,0 +1,103 @@
+"""The canonical state hash follows its written layout; checkpoints round-trip it."""
+
+import hashlib
+import json
+import struct
+
+import pytest
+import torch
+import torch.nn as nn
+
+from veritrain.checkpoint import CheckpointError, collect_state, hash_state, load_checkpoint, save_checkpoint
+
+
+def layout_hash(tensors: dict, meta: dict, step: int) -> str:
+    """docs/FORMAT.md "State hash", implemented from the text, independently of veritrain.commitments."""
+    h = hashlib.sha256(b"veritrain-state/1\0" + struct.pack("<Q", step))
+    for name in sorted(tensors, key=lambda n: n.encode()):
+        t = tensors[name].contiguous()
+        dtype = str(t.dtype).split(".")[1].encode()
+        raw = t.numpy().tobytes()  # little-endian on this machine
+        h.update(struct.pack("<I", len(name.encode())) + name.encode() + struct.pack("<I", len(dtype)) + dtype)
+        h.update(struct.pack("<I", t.dim()) + b"".join(struct.pack("<Q", d) for d in t.shape))
+        h.update(struct.pack("<Q", len(raw)) + raw)
+    m = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    h.update(struct.pack("<Q", len(m)) + m)
+    return h.hexdigest()
+
+
+def make_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def test_hash_follows_the_documented_layout():
+    model, opt, sched = make_state()
+    tensors, meta = collect_state(model, opt, sched, 2)
+    assert "model/1.num_batches_tracked" in tensors and "optimizer/state/0.weight/exp_avg" in tensors
+    assert hash_state(model, opt, sched, 2) == layout_hash(tensors, meta, 2)
+
+
+def test_every_part_of_the_state_changes_the_hash():
+    model, opt, sched = make_state()
+    base = hash_state(model, opt, sched, 2)
+    assert hash_state(model, opt, sched, 3) != base
+    with torch.no_grad():
+        w = model[0].weight
+        w.view(-1).view(torch.int32)[0] ^= 1  # one bit of one parameter
+    assert hash_state(model, opt, sched, 2) != base
+    w.view(-1).view(torch.int32)[0] ^= 1
+    assert hash_state(model, opt, sched, 2) == base
+    opt.state[model[2].bias]["exp_avg_sq"].view(torch.int32)[0] ^= 1
+    assert hash_state(model, opt, sched, 2) != base
+    opt.state[model[2].bias]["exp_avg_sq"].view(torch.int32)[0] ^= 1
+    model[1].running_var[0] += 1
+    assert hash_state(model, opt, sched, 2) != base
+    model[1].running_var[0] -= 1
+    opt.param_groups[0]["weight_decay"] = 0.02
+    assert hash_state(model, opt, sched, 2) != base
+    opt.param_groups[0]["weight_decay"] = 0.01
+    sched.last_epoch += 1
+    assert hash_state(model, opt, sched, 2) != base
+
+
+def test_checkpoint_round_trip_and_corruption(tmp_path):
+    model, opt, sched = make_state()
+    path = str(tmp_path / "c.safetensors")
+    digest = save_checkpoint(path, model, opt, sched, 2)
+    m2, o2, s2 = make_state()
+    with torch.no_grad():
+        for p in m2.parameters():
+            p.zero_()
+    step, h = load_checkpoint(path, m2, o2, s2)
+    assert (step, h) == (2, digest)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(path, *make_state())
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(str(tmp_path / "none.safetensors"), *make_state())
+    open(path, "wb").write(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_checkpoint(path, *make_state())
+
+
+def test_tied_weights_are_saved_once_each_name(tmp_path):
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "tied.safetensors")
+    digest = save_checkpoint(path, model, opt, None, 0)
+    assert load_checkpoint(path, model, opt, None) == (0, digest)

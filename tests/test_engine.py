@@ -1,0 +1,242 @@
+"""The engine's semantics, op by op."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from veritrain.engine import (EngineConfig, ReplayMismatchError, UnsupportedOpError, VerifiedMode,
+                              step_context)
+from veritrain.logformat import StepLogReader, StepLogWriter
+from veritrain.rounding import Grid
+
+aten = torch.ops.aten
+
+
+def run_step(fn, tmp_path, bits=32, step=0, seed=0, replay_of=None):
+    """Run fn() under the engine as trainer (writing a log) or, with replay_of, as auditor."""
+    cfg = EngineConfig(bits=bits, seed=seed)
+    path = str(tmp_path / f"step{step}.vtlog")
+    writer = None if replay_of else StepLogWriter(path, step, bits)
+    reader = StepLogReader(replay_of, expect_step=step) if replay_of else None
+    with step_context(cfg, step, writer=writer, reader=reader) as mode:
+        out = fn()
+    if writer:
+        writer.close()
+    return out, mode, path
+
+
+def on_grid(t, bits):
+    return bool(Grid(bits).on_grid(t.detach()).all())
+
+
+def test_exact_ops_at_b32_run_natively_with_the_same_bits():
+    """+, -, * and / of float32 values: float64-then-round equals the float32 kernel."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(20000, generator=g) * torch.logspace(-30, 30, 20000)
+    b = torch.randn(20000, generator=g) * torch.logspace(30, -30, 20000)
+    a[:50] = torch.tensor(1e-40)  # subnormal operands and results
+    grid = Grid(32)
+    for f in (torch.add, torch.sub, torch.mul, torch.div):
+        assert torch.equal(f(a, b), grid.round(f(a.double(), b.double())))
+
+
+def test_sqrt_is_not_treated_as_exact():
+    """PyTorch's CPU sqrt goes through MKL's vector math library, which is not correctly rounded (seen
+    on this machine), so sqrt is an approx op with a log, not an exact one."""
+    from veritrain import rules
+
+    assert rules.lookup(aten.sqrt.default).kind == rules.APPROX
+    assert rules.lookup(aten._foreach_sqrt.default).kind == rules.APPROX
+
+
+def test_model_step_keeps_dtypes_and_values_on_a_coarse_grid(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Dropout(0.2), nn.Linear(4 * 6 * 6, 3))
+    grid = Grid(27)
+    with torch.no_grad():
+        for p in list(model.parameters()) + list(model.buffers()):
+            if p.is_floating_point():
+                p.copy_(grid.round(p.double()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = grid.round(torch.randn(8, 1, 6, 6).double())
+    y = torch.randint(0, 3, (8,))
+
+    def step():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    loss, mode, _ = run_step(step, tmp_path, bits=27)
+    assert loss.dtype == torch.float32
+    tensors = list(model.parameters()) + [t for t in model.buffers() if t.is_floating_point()]
+    tensors += [v for st in opt.state.values() for k, v in st.items() if k != "step"]
+    for t in tensors:
+        assert t.dtype == torch.float32
+        assert on_grid(t, 27), "a value left the b=27 grid"
+    assert mode.stats.rounded["optimizer"] > 0 and mode.stats.rounded["backward"] > 0
+
+
+def test_inplace_out_and_functional_forms_agree(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(1000, generator=g) for _ in range(2))
+    c = torch.rand(1000, generator=g) + 1
+
+    def forms():
+        r1 = torch.addcdiv(a, b, c, value=0.3)
+        r2 = a.clone()
+        r2.addcdiv_(b, c, value=0.3)
+        r3 = torch.empty(0)
+        torch.addcdiv(a, b, c, value=0.3, out=r3)
+        return r1, r2, r3
+
+    (r1, r2, r3), _, _ = run_step(forms, tmp_path)
+    assert torch.equal(r1, r2) and torch.equal(r1, r3)
+    expected = Grid(32).round(torch.addcdiv(a.double(), b.double(), c.double(), value=float(np.float32(0.3))))
+    assert (r1.view(torch.int32) - expected.view(torch.int32)).abs().max() <= 1  # near-midpoint cases may differ
+
+
+def test_foreach_ops_round_each_tensor(tmp_path):
+    ts = [torch.randn(100), torch.randn(7, 3)]
+    others = [torch.randn(100), torch.randn(7, 3)]
+
+    def f():
+        xs = [t.clone() for t in ts]
+        torch._foreach_add_(xs, others, alpha=0.37)
+        norms = torch._foreach_norm(xs)
+        return xs, norms
+
+    (xs, norms), mode, _ = run_step(f, tmp_path)
+    for x, t, o in zip(xs, ts, others):
+        assert x.dtype == torch.float32 and x.shape == t.shape
+        ref = Grid(32).round(t.double() + float(np.float32(0.37)) * o.double())
+        assert (x.view(torch.int32) - ref.view(torch.int32)).abs().max() <= 1
+    assert all(n.dtype == torch.float32 for n in norms)
+
+
+def test_batchnorm_running_stats_are_updated_and_rounded(tmp_path):
+    bn = nn.BatchNorm1d(5)
+    x = torch.randn(16, 5)
+    _, mode, _ = run_step(lambda: bn(x), tmp_path, bits=25)
+    assert bn.num_batches_tracked.item() == 1
+    assert not torch.equal(bn.running_mean, torch.zeros(5))
+    expect_mean = 0.1 * x.double().mean(0)
+    assert torch.allclose(bn.running_mean.double(), expect_mean, rtol=1e-4)
+    assert on_grid(bn.running_mean, 25) and on_grid(bn.running_var, 25)
+
+
+def test_random_ops_depend_on_seed_step_and_order_not_torch_generators(tmp_path):
+    def draws():
+        return (torch.rand(1000), torch.randn(1000), torch.empty(1000).bernoulli_(0.3), torch.randint(0, 7, (1000,)),
+                torch.randperm(50), F.dropout(torch.ones(1000), 0.5, training=True))
+
+    torch.manual_seed(1)
+    a, _, _ = run_step(draws, tmp_path, seed=5, step=3)
+    torch.manual_seed(2)  # torch's own generator is not used
+    b, _, _ = run_step(draws, tmp_path, seed=5, step=3)
+    c, _, _ = run_step(draws, tmp_path, seed=5, step=4)
+    d, _, _ = run_step(draws, tmp_path, seed=6, step=3)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for other in (c, d):
+        assert not any(torch.equal(x, y) for x, y in zip(a[:4], other[:4]))
+    u, z, mask, ints, perm, drop = a
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.05
+    assert abs(z.mean()) < 0.15 and abs(z.std() - 1) < 0.1
+    assert abs(mask.mean() - 0.3) < 0.05 and set(mask.unique().tolist()) <= {0.0, 1.0}
+    assert ints.min() >= 0 and ints.max() < 7 and ints.dtype == torch.int64
+    assert sorted(perm.tolist()) == list(range(50))
+    assert set(drop.unique().tolist()) <= {0.0, 2.0}
+
+
+def test_native_dropout_is_lowered_to_the_cpu_composite(tmp_path):
+    """A GPU's F.dropout calls native_dropout; the engine turns it into the CPU's op sequence, so the
+    op stream and the bits match on every device."""
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def composite():
+        y = F.dropout(x, 0.25, training=True)
+        y.sum().backward()
+        return y.detach(), x.grad.clone()
+
+    def native():
+        x.grad = None
+        y, _ = torch.native_dropout(x, 0.25, True)
+        y.sum().backward()
+        return y.detach(), x.grad.clone()
+
+    (y1, g1), m1, p1 = run_step(composite, tmp_path, step=0)
+    x.grad = None
+    (y2, g2), m2, _ = run_step(native, tmp_path, replay_of=p1)  # replays the composite's log
+    assert torch.equal(y1, y2) and torch.equal(g1, g2)
+
+
+def test_replay_reproduces_the_trainer_and_counts_corrections(tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(64, 64) / 8
+    x = torch.randn(32, 64)
+
+    def f():
+        return torch.tanh(x @ w).softmax(-1).log()
+
+    y1, m1, path = run_step(f, tmp_path)
+    y2, m2, _ = run_step(f, tmp_path, replay_of=path)
+    assert torch.equal(y1, y2)
+    assert m2.stats.suspicious_count == 0
+
+
+def test_replay_of_other_code_fails_naming_step_and_op(tmp_path):
+    x = torch.randn(10, 10)
+    _, _, path = run_step(lambda: torch.exp(x), tmp_path)
+    with pytest.raises(ReplayMismatchError, match=r"step 0, op #1: replay runs aten.tanh.default but the log has "
+                                                  r"aten.exp.default"):
+        run_step(lambda: torch.tanh(x), tmp_path, replay_of=path)
+    with pytest.raises(ReplayMismatchError, match=r"output shapes \[\(5, 10\)\] differ"):
+        run_step(lambda: torch.exp(x[:5]), tmp_path, replay_of=path)
+    with pytest.raises(ReplayMismatchError, match="log ends before this op"):
+        run_step(lambda: (torch.exp(x), torch.exp(x)), tmp_path, replay_of=path)
+    with pytest.raises(ReplayMismatchError, match="log has more ops"):
+        run_step(lambda: x.clone(), tmp_path, replay_of=path)
+
+
+def test_half_precision_and_fused_optimizers_are_refused(tmp_path):
+    with pytest.raises(UnsupportedOpError, match="torch.float16"):
+        run_step(lambda: torch.randn(4).half() * 2, tmp_path)
+    from veritrain.task import TaskError, normalize_optimizer
+
+    p = nn.Parameter(torch.randn(3))
+    with pytest.raises(TaskError, match="fused=True"):
+        normalize_optimizer(torch.optim.AdamW([p], fused=True))
+    opt = torch.optim.AdamW([p], foreach=True)
+    normalize_optimizer(opt)
+    assert opt.param_groups[0]["foreach"] is False
+
+
+def test_scalars_are_rounded_to_float32_and_near_midpoint_ones_logged(tmp_path):
+    x = torch.ones(4)
+    mid = float(np.float32(1.1)) + 2.0**-24 * 1.0000000000001  # just above a float32 midpoint near 1.1
+    (y,), mode, path = run_step(lambda: (x * mid,), tmp_path)
+    r = StepLogReader(path)
+    op = r.next_op()
+    assert op.scalars == [(1, True)]
+    assert torch.equal(y, torch.full((4,), float(np.float32(mid))))
+
+
+def test_unknown_ops_fall_back_and_are_reported(tmp_path):
+    x = torch.rand(100) + 0.5
+    y, mode, _ = run_step(lambda: torch.special.i0(x), tmp_path)
+    assert "aten.special_i0.default" in mode.stats.fallback_ops or "aten.i0.default" in mode.stats.fallback_ops
+    assert y.dtype == torch.float32
+
+
+def test_variance_and_norms_of_constant_data_are_exact(tmp_path):
+    x = torch.full((64,), 0.3)
+    (v, n), _, _ = run_step(lambda: (x.var(), torch.linalg.vector_norm(x)), tmp_path)
+    assert v.item() == 0.0
+    assert math.isclose(n.item(), math.sqrt(64) * float(np.float32(0.3)), rel_tol=1e-6)

@@ -48,10 +48,32 @@ def run_in_variant(name: str, argv: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "veritrain.cli", *argv], env=env)
 
 
+def configure_allocator() -> bool:
+    """Keep freed memory in the process (glibc): large tensors otherwise come from fresh mmap'd pages
+    whose first touch costs a page fault each, which dominates memory-bound float64 work on a CPU.
+    Set VERITRAIN_MALLOC=system to leave malloc alone. Returns whether the setting was applied."""
+    if os.environ.get("VERITRAIN_MALLOC", "heap") == "system" or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
+    ok = mallopt(M_MMAP_MAX, 0) == 1
+    ok &= mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    ok &= mallopt(M_TOP_PAD, 256 << 20) == 1
+    return bool(ok)
+
+
 def apply_process_settings():
-    """Settings that take effect after import (threads, mkldnn); call once torch is imported."""
+    """Settings that take effect after import (threads, mkldnn, malloc); call once torch is imported."""
     import torch
 
+    configure_allocator()
     threads = os.environ.get("VERITRAIN_THREADS")
     if threads:
         torch.set_num_threads(int(threads))

@@ -121,7 +121,10 @@ class CompareProbe:
 
 
 def recommend(reports: dict, defaults: dict, safety: float = SAFETY) -> dict:
-    """Per class: the largest ratio any variant showed, and the threshold c = safety * that."""
+    """Per class: the largest ratio any variant showed, and the threshold c = safety * that. Variants
+    whose replay was rejected are left out: once a replay diverges (different data, a missed
+    decision), its later differences say nothing about rounding."""
+    reports = {v: r for v, r in reports.items() if r.get("accepted")}
     out = {}
     for cls, default in defaults.items():
         worst = max((r["classes"].get(cls, {}).get("max_ratio", 0.0) for r in reports.values()), default=0.0)

@@ -134,8 +134,11 @@ def _calibrate(args) -> int:
         margin = "inf" if math.isinf(v["margin_of_default"]) else f"{v['margin_of_default']:.0f}x"
         print(f"{cls:14s} {v['max_ratio']:10.3g} {v['default']:10g} {margin:>8s} {v['recommended']:12g}"
               + (f"  EXACT VIOLATIONS: {v['exact_violations']}" if v["exact_violations"] else ""))
+    for v, rep in r["reports"].items():
+        if not rep["accepted"]:
+            print(f"variant {v}: replay rejected, left out of the figures above: " + "; ".join(rep["reasons"][:3]))
     print(f"report and thresholds: {os.path.join(args.out, 'calibration.json')}")
-    return 0
+    return 0 if all(rep["accepted"] for rep in r["reports"].values()) else 1
 
 
 def _compare(args) -> int:

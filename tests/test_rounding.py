@@ -153,7 +153,7 @@ def test_bulk_candidates_are_a_superset(b, numel):
     scale = y.abs() * torch.rand(numel, generator=gen, dtype=torch.float64) * 1e4
     scale[5::11] = y.abs().max()  # operands much larger than the result: heavy cancellation
     c = 16.0
-    cand = grid.candidates(y, scale, c)
+    cand = grid.candidates(y, scale, c) != 0
     tau = c * UNIT_ROUNDOFF * scale
     is_value, is_dir, _ = grid.classify(y, tau)
     needed = is_value | is_dir
@@ -161,6 +161,12 @@ def test_bulk_candidates_are_a_superset(b, numel):
     assert int(is_dir.sum()) > 0 and int(is_value.sum()) > 0
     # and it is selective: most elements are not candidates
     assert cand.float().mean().item() < 0.6
+    # the fused (compiled) kernel gives the same mask
+    from veritrain import rounding
+    fn = rounding._get_compiled()
+    if fn is not None:
+        fused = fn(y, scale, c, grid.low_mask, grid.half, grid.value_units) != 0
+        assert torch.equal(fused, cand)
 
 
 def test_apply_direction_reproduces_the_trainers_rounding():

@@ -127,7 +127,8 @@ class Grid:
     # --- the bulk test --------------------------------------------------------------------------
 
     def candidates(self, y: torch.Tensor, scale: torch.Tensor | float, c: float) -> torch.Tensor:
-        """Boolean mask, a superset of the elements that need a log entry for tau = c*u*scale.
+        """Mask (nonzero = candidate), a superset of the elements that need a log entry for
+        tau = c*u*scale.
 
         In float64-ulp units of y, tau is below ``c scale / |y|``; an element is a candidate if its
         distance to the midpoint (clamped at the value-entry level) is below that, or if |y| is below
@@ -141,14 +142,22 @@ def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
     return (exponent.to(_INT64) + 1023).bitwise_left_shift_(52).view(torch.float64)
 
 
-def _candidates_eager(y, scale, c2: float, low_mask: int, half: int, value_units: int):
-    bits = y.view(_INT64)
-    dev = torch.bitwise_and(bits, low_mask).sub_(half).abs_().clamp_(max=value_units)
+def candidate_mask(y, scale, c: float, low_mask: int, half: int, value_units: int):
+    """int8 mask (-1 = candidate, 0 = not) of the bulk near-midpoint test on float64 ``y``.
+
+    The mask is the sign bit of ``dev * |y| - c * scale`` (and of ``0 - c * scale`` below float32's
+    normal range): written without booleans, because compiled CPU kernels that combine or store
+    float64 comparison masks run several times slower.
+    """
+    dev = ((y.view(_INT64) & low_mask) - half).abs().clamp(max=value_units).to(torch.float64)
     ay = y.abs()
-    bound = scale * c2
-    cand = dev.to(torch.float64).mul_(ay) < bound
-    # below float32's normal range the bit test does not apply; a zero scale means exactly determined
-    return cand.logical_or_((ay < FLOAT32_MIN_NORMAL).logical_and_(bound > 0))
+    bound = scale * c
+    d = torch.where(ay < FLOAT32_MIN_NORMAL, 0.0 - bound, dev * ay - bound)
+    return (d.view(_INT64) >> 63).to(torch.int8)
+
+
+def _candidates_eager(y, scale, c2: float, low_mask: int, half: int, value_units: int):
+    return candidate_mask(y, scale, c2, low_mask, half, value_units)
 
 
 _compiled = None
@@ -179,6 +188,9 @@ def _get_compiled():
     """A fused kernel of the same computation (torch.compile), or None if it cannot be built here."""
     global _compiled
     if _compiled is None:
+        from .fused import isolate_compile_cache
+
+        isolate_compile_cache()
         try:
             fn = torch.compile(_candidates_eager, dynamic=True)
             probe = torch.tensor([1.0, 0.0, 1.5], dtype=torch.float64)

@@ -29,7 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import randomness, rules
+from . import decompositions, randomness, rules
+from .fused import Epilogues, FusedKernels, Unfusable
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
 from .rounding import UNIT_ROUNDOFF, Grid
 
@@ -187,6 +188,9 @@ _UNDECLARED_MUTATIONS = {
 }
 
 _IGNORED_NAMESPACES = ("profiler",)
+_NOT_FUSED = object()
+_FUSED_CACHE: dict = {}
+_EPILOGUE_CACHE: dict = {}
 
 
 def _is_float_tensor(x) -> bool:
@@ -207,7 +211,7 @@ def _to_model_dtype(y32: torch.Tensor, dtype) -> torch.Tensor:
 
 
 class _Analysis:
-    """Per-op state shared between the slots of one op."""
+    """Per-op state shared between the slots of one op: the call and its (lazily computed) scales."""
 
     __slots__ = ("call", "rule", "scales")
 
@@ -220,9 +224,107 @@ class _Analysis:
         s = self.scales[slot] if slot < len(self.scales) else None
         if s is None:
             raise VeritrainError(f"{self.call.func}: rule gives no error scale for output {slot}")
+        if isinstance(s, (rules.LazyScale, rules.RowSubset)):
+            return s
         if not isinstance(s, torch.Tensor):
             s = torch.tensor(float(s), dtype=torch.float64)
         return s.to(torch.float64).expand(shape)
+
+
+class _ExactSlot:
+    """An output that needs no analysis (exact op, or a float32 kernel result)."""
+
+    op_class = None
+
+    def __init__(self, y, grid):
+        self.shape = tuple(y.shape)
+        self.y32 = y if y.dtype == torch.float32 else grid.round(y)
+
+
+class _EagerSlot:
+    """A float64 result computed by eager ops, with its error scale (a tensor or a LazyScale)."""
+
+    def __init__(self, y64, analysis: _Analysis, index: int, grid: Grid, epilogues=None):
+        self.y64 = y64.contiguous()
+        self.shape = tuple(y64.shape)
+        self.analysis, self.index = analysis, index
+        self.op_class = analysis.rule.op_class
+        self.grid = grid
+        self._epilogues = epilogues
+        self._y32 = None
+        self._scale = None
+
+    @property
+    def y32(self):
+        if self._y32 is None:
+            self._y32 = self.grid.round(self.y64)
+        return self._y32
+
+    def _scale_obj(self):
+        if self._scale is None:
+            self._scale = self.analysis.scale(self.index, self.y64.shape)
+        return self._scale
+
+    def scale(self):
+        s = self._scale_obj()
+        if isinstance(s, (rules.LazyScale, rules.RowSubset)):
+            return s.materialize(self.shape).contiguous()
+        return s.contiguous()
+
+    def candidate_indices(self, c):
+        """Flat positions that may need a log entry."""
+        s = self._scale_obj()
+        if isinstance(s, rules.RowSubset):
+            if not len(s.rows):
+                return torch.zeros(0, dtype=torch.int64, device=self.y64.device)
+            width = math.prod(self.shape[1:])
+            sub = self.y64[s.rows].contiguous()
+            local = self.grid.candidates(sub, s.scale.expand(sub.shape).contiguous(), c).reshape(-1).nonzero().squeeze(1)
+            return s.rows[local // width] * width + local % width
+        if self._epilogues is not None and FusedKernels.enabled_for(self.y64.numel()):
+            out = self._epilogues.run(self.y64, s, c)
+            if out is not None:
+                self._y32, mask = out
+                return mask.reshape(-1).nonzero().squeeze(1)
+        return self.grid.candidates(self.y64, self.scale(), c).reshape(-1).nonzero().squeeze(1)
+
+    def values_at(self, idx):
+        return self.y64.reshape(-1)[idx]
+
+    def scale_at(self, idx):
+        s = self._scale_obj()
+        if isinstance(s, (rules.LazyScale, rules.RowSubset)):
+            return s.at(idx, self.shape)
+        return s.contiguous().reshape(-1)[idx]
+
+
+class _FusedSlot:
+    """The result of a fused kernel: float32 values and candidates; float64 values recomputed eagerly
+    (by the kernel's own Python function) only at the positions that need them."""
+
+    def __init__(self, y32, cand, compute, operands, extra, shape, op_class):
+        self.y32, self.cand, self.shape, self.op_class = y32, cand, tuple(shape), op_class
+        self._compute, self._operands, self._extra = compute, operands, extra
+        self._memo = None
+
+    def _eval(self, idx):
+        if self._memo is not None and self._memo[0] is idx:
+            return self._memo[1]
+        sub = [t[idx] if t.dim() else t for t in self._operands]
+        y, s = self._compute(*sub, *self._extra)
+        y = y.to(torch.float64).reshape(-1)
+        s = torch.as_tensor(s, dtype=torch.float64).expand(y.shape)
+        self._memo = (idx, (y, s))
+        return y, s
+
+    def candidate_indices(self, c):
+        return self.cand.reshape(-1).nonzero().squeeze(1)
+
+    def values_at(self, idx):
+        return self._eval(idx)[0]
+
+    def scale_at(self, idx):
+        return self._eval(idx)[1]
 
 
 class VerifiedMode(TorchDispatchMode):
@@ -242,6 +344,8 @@ class VerifiedMode(TorchDispatchMode):
         self.rounding = config.mode in ("verified", "nolog")
         self.hashes: list | None = None  # per-op output hashes (dispute game), when enabled
         self.probe = None  # calibration: called with each approx result before rounding
+        self._fk = None
+        self._ep = None
 
     # --- entry ----------------------------------------------------------------------------------
 
@@ -259,6 +363,11 @@ class VerifiedMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if rule.kind == rules.UNSUPPORTED:
             raise UnsupportedOpError(f"step {self.step}: {func} is not supported: {rule.why}")
+        if rule.kind == rules.DECOMPOSE:
+            if not self.rounding:
+                return func(*args, **kwargs)
+            with self:  # every step of the decomposition goes through the engine again
+                return decompositions.lookup(func)(*args, **kwargs)
         if not self.rounding:
             if rule.kind == rules.RANDOM:
                 return self._random(func, args, kwargs)
@@ -337,8 +446,13 @@ class VerifiedMode(TorchDispatchMode):
             args2, kwargs2 = tree_unflatten(leaves, spec)
             result = func(*args2, **kwargs2)
             slots = self._native_slots(func, info, result, args2, kwargs2)
-            self._finish_op(func, record, scalars, [(y, None) for y in slots])
+            self._finish_op(func, record, scalars, [None if y is None else _ExactSlot(y, self.grid) for y in slots])
             return result
+
+        if rule.kind == rules.APPROX and rule.fused and self.probe is None:
+            done = self._try_fused(func, rule, info, leaves, spec, args, kwargs, record, scalars)
+            if done is not _NOT_FUSED:
+                return done
 
         # upcast to float64
         up = list(leaves)
@@ -381,13 +495,15 @@ class VerifiedMode(TorchDispatchMode):
                                         if variant == "out" else kwargs64, outputs64), rule)
         if rule.kind == rules.FALLBACK_RULE.kind and rule is rules.FALLBACK_RULE:
             self.stats.fallback_ops.add(str(func))
-        rounded = []
-        for slot, y in enumerate(outputs64):
+        slots = []
+        for i, y in enumerate(outputs64):
             if y is None:
-                rounded.append((None, None))
-                continue
-            rounded.append((y, analysis if rule.kind == rules.APPROX else None))
-        finals = self._finish_op(func, record, scalars, rounded)
+                slots.append(None)
+            elif rule.kind == rules.APPROX:
+                slots.append(_EagerSlot(y, analysis, i, self.grid, None if self.probe else self._epilogues()))
+            else:
+                slots.append(_ExactSlot(y, self.grid))
+        finals = self._finish_op(func, record, scalars, slots)
 
         # hand results back in the op's own dtypes and places
         n_ret = len(outputs) - (sum(len(_as_list(named64[t])) for t in targets) if variant == "mutating" else 0)
@@ -407,6 +523,56 @@ class VerifiedMode(TorchDispatchMode):
                 _write_back(orig, y32)
         return _rebuild(result, [(_to_model_dtype(f, out_dtype) if f is not None else o)
                                  for f, o in zip(finals[:n_ret], outputs[:n_ret])])
+
+    def _try_fused(self, func, rule, info, leaves, spec, args, kwargs, record, scalars):
+        if info.variant not in ("plain", "inplace", "out") or rules.base_name(func) in _UNDECLARED_MUTATIONS:
+            return _NOT_FUSED
+        run = info.functional if info.variant in ("inplace", "out") else func
+        args2, kwargs2 = tree_unflatten(leaves, spec)
+        named = _named(func, args2, kwargs2)
+        if info.variant == "out":
+            named = {k: v for k, v in named.items() if k not in info.targets}
+        numel = max((x.numel() for x in named.values() if isinstance(x, torch.Tensor)), default=0)
+        if not FusedKernels.enabled_for(numel):
+            return _NOT_FUSED
+        fk = self._fused_kernels()
+        try:
+            plan = fk.plan(rules.base_name(run), run, named, rule.fused)
+        except Unfusable:
+            return _NOT_FUSED
+        if plan.key in fk._failed:
+            return _NOT_FUSED
+        c = self.config.thresholds[rule.op_class]
+        want = self.writer is not None
+        operands = plan.operands()
+        device = operands[0].device
+        extra = [torch.tensor(v, dtype=torch.float64, device=device) for v in plan.scalars] if plan.formula else []
+        try:
+            kernel, compute = fk.kernel(plan, run, rule.fused, c, want)
+            out = kernel(*operands, *extra)
+        except Exception as exc:  # compile or run failure: remember it, use the eager engine
+            fk._failed.add(plan.key)
+            fk.warn_once(func, exc)
+            return _NOT_FUSED
+        y32, cand = (out[0], out[1]) if want else (out, None)
+        slot = _FusedSlot(y32.reshape(-1), None if cand is None else cand.reshape(-1), compute, operands, extra,
+                          plan.shape, rule.op_class)
+        final = self._finish_op(func, record, scalars, [slot])[0].view(plan.shape)
+        if info.variant in ("inplace", "out"):
+            orig = _named(func, args, kwargs)[info.targets[0]]
+            _write_back(orig, final)
+            return orig if func._schema.returns else None
+        return final
+
+    def _epilogues(self):
+        if self._ep is None:
+            self._ep = _EPILOGUE_CACHE.setdefault((self.grid.bits,), Epilogues(self.grid))
+        return self._ep
+
+    def _fused_kernels(self):
+        if self._fk is None:
+            self._fk = _FUSED_CACHE.setdefault((self.grid.bits,), FusedKernels(self.grid))
+        return self._fk
 
     def _native_slots(self, func, info, result, args, kwargs):
         if info.variant in ("inplace", "out", "mutating") and info.mutated:
@@ -439,49 +605,42 @@ class VerifiedMode(TorchDispatchMode):
         phase = self._phase()
         stats = self.stats
         stats.ops += 1
-        entries = []
-        finals = []
+        entries, finals = [], []
         n_rounded = 0
         if record is not None:
-            shapes = [tuple(y.shape) for y, _ in slots if y is not None]
+            shapes = [s.shape for s in slots if s is not None]
             got = [tuple(o.shape) for o in record.outputs]
             if shapes != got:
                 raise ReplayMismatchError(
                     f"step {self.step}, op #{self.op_index} {func}: output shapes {shapes} differ from the "
                     f"log's {got} (a different task, configuration or batch)")
         k = 0
-        for slot, (y, analysis) in enumerate(slots):
-            if y is None:
+        for i, slot in enumerate(slots):
+            if slot is None:
                 finals.append(None)
                 continue
-            n = y.numel()
+            n = math.prod(slot.shape)
             n_rounded += n
-            if analysis is None:  # exact, or already float32 from a native kernel
-                y32 = y if y.dtype == torch.float32 else self.grid.round(y)
+            if slot.op_class is None:
                 if record is not None and record.outputs[k].n_entries:
-                    self._suspicious_block(func, slot, record.outputs[k], "entries for an exact op")
-                entries.append(OutputEntries(tuple(y.shape)))
+                    self._suspicious_block(func, i, record.outputs[k], "entries for an exact op")
+                entries.append(OutputEntries(slot.shape))
             else:
-                if self.probe is not None:
-                    self.probe(self.step, self.op_index, str(func), analysis.rule.op_class, slot, y,
-                               lambda a=analysis, sl=slot, sh=y.shape: a.scale(sl, sh))
+                if self.probe is not None and isinstance(slot, _EagerSlot):
+                    self.probe(self.step, self.op_index, str(func), slot.op_class, i, slot.y64, slot.scale)
+                c = self.config.thresholds[slot.op_class]
                 if self.writer is not None:
-                    y32, e = self._record(y, analysis, slot)
-                    entries.append(e)
+                    entries.append(self._record(slot, c))
                     stats.analysed += n
                 elif record is not None:
-                    y32 = self._replay(func, y, analysis, slot, record.outputs[k], phase)
-                else:
-                    y32 = self.grid.round(y)
-            finals.append(y32)
+                    self._replay(func, slot, record.outputs[k], phase, c, i)
+            finals.append(slot.y32)
             k += 1
         stats.rounded[phase] += n_rounded
+        seen = record.outputs if record is not None else entries
         if record is not None:
-            entries_seen = record.outputs
             stats.entries_scalar += len(record.scalars)
-        else:
-            entries_seen = entries
-        for e in entries_seen:
+        for e in seen:
             stats.entries_dir[phase] += len(e.dir_pos)
             stats.entries_val[phase] += len(e.val_pos)
         if self.writer is not None:
@@ -491,71 +650,66 @@ class VerifiedMode(TorchDispatchMode):
             self.hashes.append((str(func), [_tensor_digest(f) for f in finals if f is not None]))
         return finals
 
-    def _record(self, y, analysis, slot):
+    def _record(self, slot, c) -> OutputEntries:
+        """Trainer: find the entries of one output (and keep its float32 result consistent with them)."""
         grid = self.grid
-        y = y.contiguous()
-        y32 = grid.round(y)
-        c = self.config.thresholds[analysis.rule.op_class]
-        scale = analysis.scale(slot, y.shape).contiguous()
-        cand = grid.candidates(y, scale, c)
-        idx = cand.reshape(-1).nonzero().squeeze(1)
-        e = OutputEntries(tuple(y.shape))
-        if idx.numel():
-            yc = y.reshape(-1)[idx]
-            tau = c * UNIT_ROUNDOFF * scale.reshape(-1)[idx]
-            is_val, is_dir, away = grid.classify(yc, tau)
-            e.dir_pos = idx[is_dir].cpu().numpy().astype(np.int64)
-            e.dir_bits = away[is_dir].cpu().numpy()
-            vp = idx[is_val]
-            e.val_pos = vp.cpu().numpy().astype(np.int64)
-            e.val_bits = y32.reshape(-1)[vp].view(torch.int32).cpu().numpy().view(np.uint32)
-        return y32, e
+        e = OutputEntries(slot.shape)
+        idx = slot.candidate_indices(c)
+        if not idx.numel():
+            return e
+        yc = slot.values_at(idx)
+        tau = c * UNIT_ROUNDOFF * slot.scale_at(idx)
+        is_val, is_dir, away = grid.classify(yc, tau)
+        flat = slot.y32.view(-1)
+        if not isinstance(slot, _EagerSlot):
+            flat[idx] = grid.round(yc)  # the rounded result comes from the same values as the entries
+        e.dir_pos = idx[is_dir].cpu().numpy().astype(np.int64)
+        e.dir_bits = away[is_dir].cpu().numpy()
+        vp = idx[is_val]
+        e.val_pos = vp.cpu().numpy().astype(np.int64)
+        e.val_bits = flat[vp].view(torch.int32).cpu().numpy().view(np.uint32)
+        return e
 
-    def _replay(self, func, y, analysis, slot, entries: OutputEntries, phase):
-        grid = self.grid
-        y = y.contiguous()
-        y32 = grid.round(y)
+    def _replay(self, func, slot, entries: OutputEntries, phase, c, index):
+        """Auditor: force the trainer's decisions for one output and check each is plausible."""
         if not entries.n_entries:
-            return y32
-        c = self.config.thresholds[analysis.rule.op_class]
+            return
+        grid = self.grid
         slack = self.config.slack
-        scale = analysis.scale(slot, y.shape).contiguous().reshape(-1)
-        flat_y, flat = y.reshape(-1), y32.view(-1)
-        dev = y.device
+        flat = slot.y32.view(-1)
+        dev = flat.device
         if len(entries.dir_pos):
             pos = torch.from_numpy(entries.dir_pos).to(dev)
-            yc = flat_y[pos]
+            yc = slot.values_at(pos)
             away = torch.from_numpy(entries.dir_bits.astype(bool)).to(dev)
             forced = grid.apply_direction(yc, away)
-            natural = flat[pos]
+            natural = grid.round(yc)
             self.stats.corrections[phase] += int((forced.view(torch.int32) != natural.view(torch.int32)).sum())
-            tau = c * UNIT_ROUNDOFF * scale[pos]
+            tau = c * UNIT_ROUNDOFF * slot.scale_at(pos)
             dist = grid.midpoint_distance(yc)
             bad = dist > slack * tau
             for j in bad.nonzero().flatten().tolist():
-                self._suspicious(int(pos[j]), slot, "direction",
+                self._suspicious(int(pos[j]), index, "direction",
                                  f"{func}: value {yc[j].item()!r} is {dist[j].item():.3g} from a midpoint, "
                                  f"threshold {tau[j].item():.3g}", op=str(func))
             flat[pos] = forced
         if len(entries.val_pos):
             pos = torch.from_numpy(entries.val_pos).to(dev)
             vals = torch.from_numpy(entries.val_bits.view(np.int32).copy()).to(dev).view(torch.float32)
-            yc = flat_y[pos]
-            natural = flat[pos]
+            yc = slot.values_at(pos)
+            natural = grid.round(yc)
             self.stats.corrections[phase] += int((vals.view(torch.int32) != natural.view(torch.int32)).sum())
-            tau = c * UNIT_ROUNDOFF * scale[pos]
+            tau = c * UNIT_ROUNDOFF * slot.scale_at(pos)
             v64 = vals.double()
             spacing = torch.maximum(grid.spacing_at(yc), grid.spacing_at(v64))
             far = (v64 - yc).abs() > spacing / 2 + slack * tau
             same_nonfinite = ~torch.isfinite(v64) & (v64 == yc)
             bad = (far & ~same_nonfinite) | ~grid.on_grid(vals) | torch.isnan(v64)
             for j in bad.nonzero().flatten().tolist():
-                self._suspicious(int(pos[j]), slot, "value",
+                self._suspicious(int(pos[j]), index, "value",
                                  f"{func}: logged value {vals[j].item()!r} but the computed value is "
                                  f"{yc[j].item()!r} (threshold {tau[j].item():.3g})", op=str(func))
-            vals = torch.where(grid.on_grid(vals), vals, grid.round(v64))
-            flat[pos] = vals
-        return y32
+            flat[pos] = torch.where(grid.on_grid(vals), vals, grid.round(v64))
 
     def _suspicious(self, position, slot, kind, detail, op=""):
         self.stats.suspicious_count += 1
@@ -665,19 +819,20 @@ class VerifiedMode(TorchDispatchMode):
                 return target
             return out
 
-        if exact_out is not None:
-            slot = (exact_out, None)
+        if exact_out is not None and not exact_out.is_floating_point():
+            self._finish_op(func, record, scalars, [])
+            out = exact_out
         else:
-            value = value.to(torch.float64)
-            s = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale), dtype=torch.float64)
-            call = rules.Call(func, (), {}, [value])
-            slot = (value, _Analysis(call, rules.Rule(rules.APPROX, "random", lambda c, s=s: [s])))
-        if slot[0].is_floating_point():
+            if exact_out is not None:
+                slot = _ExactSlot(exact_out, self.grid)
+            else:
+                value = value.to(torch.float64)
+                s = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale), dtype=torch.float64)
+                call = rules.Call(func, (), {}, [value])
+                slot = _EagerSlot(value, _Analysis(call, rules.Rule(rules.APPROX, "random", lambda c, s=s: [s])), 0,
+                                  self.grid)
             finals = self._finish_op(func, record, scalars, [slot])
             out = _to_model_dtype(finals[0], dtype) if dtype.is_floating_point else finals[0].to(dtype)
-        else:
-            finals = self._finish_op(func, record, scalars, [])
-            out = slot[0]
         if target is not None:
             target.copy_(out)
             return target

@@ -12,6 +12,8 @@ Each op the engine sees falls in one kind:
   an *error scale*: a tensor broadcastable to each output such that any two correct float64
   implementations differ by well under ``c * u * scale`` (u = 2**-53, c from the class).
 * ``random``      - draws from the counter-based generator (randomness.py).
+* ``decompose``   - computed as its steps (decompositions.py), each step rounded by its own row: for
+  normalization and softmax, whose fused kernels would otherwise need many log entries.
 * ``unsupported`` - refused with an error that names the op and what to do instead.
 
 Error scales (see docs/ROUNDING.md for the reasoning): a sum of n terms computed in any order is within
@@ -32,12 +34,13 @@ import torch
 
 aten = torch.ops.aten
 
-PASSTHROUGH, EXACT, APPROX, RANDOM, UNSUPPORTED = "passthrough", "exact", "approx", "random", "unsupported"
+PASSTHROUGH, EXACT, APPROX, RANDOM, DECOMPOSE, UNSUPPORTED = ("passthrough", "exact", "approx", "random", "decompose",
+                                                            "unsupported")
 
 # Default threshold constants c per class: tau = c * u * scale. Measured differences across the
 # hardware variants stay far below these (docs/ROUNDING.md, `veritrain calibrate`).
 DEFAULT_THRESHOLDS = {
-    "accumulate": 16.0,     # matmul, convolution, sums, pooling/embedding gradients
+    "accumulate": 8.0,      # matmul, convolution, sums, pooling/embedding gradients
     "elementwise": 32.0,    # short formulas and library functions, scalar-divisor division
     "normalization": 16.0,  # layer/batch/group norm, variance
     "softmax": 16.0,        # softmax, log-softmax, losses
@@ -52,6 +55,8 @@ class Rule:
     op_class: str = ""
     scale: Callable | None = None
     why: str = ""
+    # a scale function f(y, a, kw) that fused.py can compute inside one kernel (see s_rel below)
+    fused: Callable | None = None
 
 
 class Call:
@@ -85,6 +90,107 @@ def _arg_index(func):
             idx[a.name] = (None if a.kwarg_only else i, d)
         _ARG_INDEX[func] = idx
     return idx
+
+
+# --- lazy scales --------------------------------------------------------------------------------
+
+
+class NormFactor:
+    """||x|| along ``dim``, kept with a size-1 ``dim`` so that it broadcasts against the output (the
+    row norms of a matrix product's left operand, the column norms of its right one). Computed in full
+    only when every element needs its scale (the trainer); at a few positions otherwise."""
+
+    __slots__ = ("x", "dim", "_full")
+
+    def __init__(self, x: torch.Tensor, dim: int):
+        self.x, self.dim, self._full = x, dim % x.dim(), None
+
+    def full(self) -> torch.Tensor:
+        if self._full is None:
+            self._full = torch.linalg.vector_norm(self.x, dim=self.dim, keepdim=True)
+        return self._full
+
+    def at(self, coords) -> torch.Tensor:
+        x = self.x.movedim(self.dim, -1)
+        index = [c if self.x.shape[d] != 1 else torch.zeros_like(c) for d, c in enumerate(coords) if d != self.dim]
+        outer = x.shape[:-1]
+        flat = torch.zeros_like(coords[0])
+        for c, size in zip(index, outer):
+            flat = flat * size + c
+        rows, inverse = torch.unique(flat, return_inverse=True)
+        if rows.numel() * 4 >= flat.new_tensor(outer).prod().item():  # most rows: one pass over x
+            return self.full().reshape(-1)[flat]
+        return torch.linalg.vector_norm(x.reshape(-1, x.shape[-1])[rows], dim=-1)[inverse]
+
+
+class LazyScale:
+    """A scale kept as a sum of products of small broadcastable factors, sum_t coef_t * prod(factors_t)
+    (e.g. sqrt(k) * ||row_i|| * ||col_j|| for a matrix product), so that it never has to exist at full
+    size: the engine evaluates it inside the kernel that rounds the result, or only where needed.
+    Factors are tensors or NormFactors."""
+
+    __slots__ = ("terms",)
+
+    def __init__(self, terms):
+        self.terms = [(float(c), [f if isinstance(f, NormFactor) else f.to(torch.float64) for f in fs])
+                      for c, fs in terms]
+
+    def full_terms(self):
+        """The terms with every factor as a tensor."""
+        return [(c, [f.full() if isinstance(f, NormFactor) else f for f in fs]) for c, fs in self.terms]
+
+    def materialize(self, shape) -> torch.Tensor:
+        out = None
+        for c, fs in self.full_terms():
+            t = fs[0] * c
+            for f in fs[1:]:
+                t = t * f
+            out = t if out is None else out + t
+        return out.expand(shape)
+
+    def at(self, idx: torch.Tensor, shape) -> torch.Tensor:
+        """The scale at flat (row-major) positions ``idx`` of a tensor of ``shape``."""
+        coords, rest = [], idx
+        for size in reversed(shape):
+            coords.append(rest % size)
+            rest = rest // size
+        coords = coords[::-1]
+        out = torch.zeros(idx.shape, dtype=torch.float64, device=idx.device)
+        for c, fs in self.terms:
+            t = torch.full(idx.shape, c, dtype=torch.float64, device=idx.device)
+            for f in fs:
+                if isinstance(f, NormFactor):
+                    t = t * f.at(coords[len(shape) - f.x.dim():])
+                    continue
+                f = f.reshape((1,) * (len(shape) - f.dim()) + tuple(f.shape))
+                sel = tuple(coords[d] if f.shape[d] != 1 else torch.zeros_like(idx) for d in range(len(shape)))
+                t = t * f[sel]
+            out = out + t
+        return out
+
+
+class RowSubset:
+    """A scale that is zero outside some rows (dimension 0): e.g. an embedding gradient, where only
+    the rows of tokens in the batch are not exactly zero. The engine analyses just those rows."""
+
+    __slots__ = ("rows", "scale")
+
+    def __init__(self, rows: torch.Tensor, scale: torch.Tensor):
+        self.rows, self.scale = rows, scale.to(torch.float64)
+
+    def materialize(self, shape) -> torch.Tensor:
+        out = torch.zeros(shape, dtype=torch.float64, device=self.scale.device)
+        out[self.rows] = self.scale.expand((len(self.rows),) + tuple(shape[1:]))
+        return out
+
+    def at(self, idx: torch.Tensor, shape) -> torch.Tensor:
+        width = math.prod(shape[1:])
+        row, col = idx // width, idx % width
+        where = torch.searchsorted(self.rows, row).clamp(max=max(len(self.rows) - 1, 0))
+        hit = self.rows.numel() > 0 and (self.rows[where] == row)
+        full = self.scale.expand((len(self.rows),) + tuple(shape[1:])).reshape(len(self.rows), width)
+        vals = full[where, col] if len(self.rows) else torch.zeros_like(idx, dtype=torch.float64)
+        return torch.where(hit, vals, torch.zeros_like(vals)) if len(self.rows) else vals
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -139,17 +245,53 @@ def _certify(scale: torch.Tensor, abs_total: torch.Tensor, quantum: torch.Tensor
     return torch.where(abs_total < _EXACT_LIMIT * quantum, torch.zeros_like(scale), scale)
 
 
+# --- scales shared with the fused kernels --------------------------------------------------------
+# f(y, a, kw): y the float64 result, a the op's tensor arguments (float64, schema order), kw its other
+# arguments by name. The same Python function runs eagerly here and inside a compiled kernel (fused.py).
+
+
+def s_rel(y, a, kw):
+    return y.abs()
+
+
+def s_self_plus(y, a, kw):  # self + t, with |t| <= |self| + |result|
+    return a[0].abs() + y.abs()
+
+
+def s_plus_one(y, a, kw):
+    return y.abs() + 1.0
+
+
+def s_grad_times_1(y, a, kw):  # grad * f'(x) with |f'| <= 1 + |x|
+    return a[0].abs() * (1.0 + a[1].abs()) + y.abs()
+
+
+def s_grad_times_2(y, a, kw):
+    return a[0].abs() * (2.0 + a[1].abs()) + y.abs()
+
+
+def s_tanh_bw(y, a, kw):  # grad * (1 - out^2): out^2 carries u * out^2
+    return y.abs() + a[0].abs() * a[1] * a[1]
+
+
+def _tensor_scale(fn):
+    """The engine-side rule for a shared scale: call it with the call's tensors and arguments."""
+
+    def scale(call):
+        a, kw = [], {}
+        for arg in call.func._schema.arguments:
+            v = call.arg(arg.name)
+            if isinstance(v, torch.Tensor):
+                a.append(v)
+            else:
+                kw[arg.name] = v
+        return [fn(call.outputs[0], a, kw)]
+
+    return scale
+
+
 def _rel(call):  # scale = |result| for every output
     return [None if y is None else y.abs() for y in call.outputs]
-
-
-def _self_plus_result(call):  # self + (something bounded by |self| + |result|)
-    s = call.arg("self")
-    return [_abs(s) + call.outputs[0].abs()]
-
-
-def _result_plus_one(call):
-    return [call.outputs[0].abs() + 1.0]
 
 
 # --- accumulations ------------------------------------------------------------------------------
@@ -157,21 +299,21 @@ def _result_plus_one(call):
 
 def _mm(call):
     a, b = call.arg("self"), call.arg("mat2")
-    return [_sqrt(a.shape[-1]) * _norm(a, -1).unsqueeze(-1) * _norm(b, -2).unsqueeze(-2)]
+    return [LazyScale([(_sqrt(a.shape[-1]), [NormFactor(a, -1), NormFactor(b, -2)])])]
 
 
 def _addmm(call):
     bias, a, b = call.arg("self"), call.arg("mat1"), call.arg("mat2")
     beta, alpha = call.arg("beta", 1), call.arg("alpha", 1)
-    prod = _sqrt(a.shape[-1]) * _norm(a, -1).unsqueeze(-1) * _norm(b, -2).unsqueeze(-2)
-    return [abs(float(beta)) * bias.abs() + abs(float(alpha)) * prod]
+    return [LazyScale([(abs(float(beta)), [bias.abs()]),
+                       (abs(float(alpha)) * _sqrt(a.shape[-1]), [NormFactor(a, -1), NormFactor(b, -2)])])]
 
 
 def _baddbmm(call):
     bias, a, b = call.arg("self"), call.arg("batch1"), call.arg("batch2")
     beta, alpha = call.arg("beta", 1), call.arg("alpha", 1)
-    prod = _sqrt(a.shape[-1]) * _norm(a, -1).unsqueeze(-1) * _norm(b, -2).unsqueeze(-2)
-    return [abs(float(beta)) * bias.abs() + abs(float(alpha)) * prod]
+    return [LazyScale([(abs(float(beta)), [bias.abs()]),
+                       (abs(float(alpha)) * _sqrt(a.shape[-1]), [NormFactor(a, -1), NormFactor(b, -2)])])]
 
 
 def _mv(call):
@@ -206,7 +348,10 @@ def _convolution(call):
         energy = aten.convolution((x * x).sum(1, keepdim=True), torch.ones((1, 1) + k, dtype=x.dtype, device=x.device),
                                   None, stride, padding, dilation, False, [0] * len(k), 1)
         wn = _norm(w.flatten(1), 1).view((1, -1) + (1,) * len(k))
-        s = _sqrt(n) * energy.clamp_(min=0).sqrt_() * wn
+        terms = [(_sqrt(n), [energy.clamp_(min=0).sqrt_(), wn])]
+        if b is not None:
+            terms.append((1.0, [b.abs().view((1, -1) + (1,) * len(k))]))
+        return [LazyScale(terms)]
     if b is not None:
         s = s + b.abs().view((1, -1) + (1,) * len(k))
     return [s]
@@ -239,12 +384,12 @@ def _convolution_backward(call):
                                          [True, False, False])[0]
         wn = _norm(w.transpose(0, 1).flatten(1), 1).repeat(groups).view(bcast)
         n = w.shape[0] // groups * math.prod(k)
-        out[0] = _sqrt(n) * back.clamp_(min=0).sqrt_() * wn
+        out[0] = LazyScale([(_sqrt(n), [back.clamp_(min=0).sqrt_(), wn])])
     n_pos = go.shape[0] * math.prod(go.shape[2:])
     if gw is not None:
         gon = _norm(go.transpose(0, 1).flatten(1), 1)  # (O,)
         xn = _norm(x.transpose(0, 1).flatten(1), 1).view(groups, -1).amax(0)  # (C/groups,)
-        out[1] = (_sqrt(n_pos) * gon.view((-1, 1) + (1,) * len(k)) * xn.view((1, -1) + (1,) * len(k))).expand(gw.shape)
+        out[1] = LazyScale([(_sqrt(n_pos), [gon.view((-1, 1) + (1,) * len(k)), xn.view((1, -1) + (1,) * len(k))])])
     if gb is not None:
         ago = go.abs()
         total = ago.sum([0, *spatial])
@@ -317,19 +462,20 @@ def _adaptive_window(call):
 
 def _embedding_dense_backward(call):
     go, idx, num = call.arg("grad_output"), call.arg("indices"), call.arg("num_weights")
-    counts = torch.bincount(idx.reshape(-1), minlength=num).to(go.dtype)
+    flat_idx = idx.reshape(-1)
+    counts = torch.bincount(flat_idx, minlength=num)
+    rows = counts.nonzero().squeeze(1)  # the only rows that are not exactly zero
     by_freq = call.arg("scale_grad_by_freq")
     ago = go.abs()
-    absum = aten.embedding_dense_backward(ago, idx, num, call.arg("padding_idx"), by_freq)
-    scale = counts.clamp(min=1).sqrt().unsqueeze(1) * absum
+    absum = aten.embedding_dense_backward(ago, idx, num, call.arg("padding_idx"), by_freq)[rows]
+    scale = counts[rows].to(go.dtype).sqrt().unsqueeze(1) * absum
     if by_freq:
-        return [scale]
+        return [RowSubset(rows, scale)]
     # quantum per embedding row: the smallest quantum of any gradient row that lands in it
-    rows = ago.reshape(-1, ago.shape[-1])
-    row_q = _min_quantum(rows, [1], False)
-    q = torch.full((num,), math.inf, dtype=go.dtype, device=go.device).scatter_reduce(
-        0, idx.reshape(-1), row_q, "amin")
-    return [_certify(scale, absum, q.unsqueeze(1))]
+    grad_rows = ago.reshape(-1, ago.shape[-1])
+    row_q = _min_quantum(grad_rows, [1], False)
+    q = torch.full((num,), math.inf, dtype=go.dtype, device=go.device).scatter_reduce(0, flat_idx, row_q, "amin")
+    return [RowSubset(rows, _certify(scale, absum, q[rows].unsqueeze(1)))]
 
 
 def _index_put(call):
@@ -402,38 +548,6 @@ def _vector_norm(call):
 # --- softmax and losses --------------------------------------------------------------------------
 
 
-def _softmax(call):
-    x, dim = call.args[0], call.args[1]
-    n = x.shape[dim] if x.dim() else 1
-    return [(4 + _sqrt(n)) * call.outputs[0].abs()]
-
-
-def _log_softmax(call):
-    x, dim = call.args[0], call.args[1]
-    n = x.shape[dim] if x.dim() else 1
-    # y = (x - max) - log(sum exp(x - max)); 0 <= log(sum) <= ln n, |x - max| <= |y| + ln n
-    return [2 * call.outputs[0].abs() + 2 * math.log(max(n, 1)) + _sqrt(n)]
-
-
-def _softmax_backward(call):
-    go, y, dim = call.arg("grad_output"), call.arg("output"), call.arg("dim")
-    n = y.shape[dim] if y.dim() else 1
-    inner = (go * y).abs().sum(dim, keepdim=True)
-    return [y.abs() * (go.abs() + _sqrt(n) * inner) + call.outputs[0].abs()]
-
-
-def _log_softmax_backward(call):
-    go, y, dim = call.arg("grad_output"), call.arg("output"), call.arg("dim")
-    gi = call.outputs[0]
-    n = y.shape[dim] if y.dim() else 1
-    abs_sum = go.abs().sum(dim, keepdim=True)
-    ratio = abs_sum / go.sum(dim, keepdim=True).abs()  # inf where the sum cancels to 0
-    # gi = go - p * sum(go): p * error(sum) <= (|gi| + |go|) * error(sum) / |sum|, or p <= 1
-    a = (gi.abs() + go.abs()) * (2 + _sqrt(n) * ratio)
-    b = 2 * go.abs() + gi.abs() + _sqrt(n) * abs_sum
-    return [torch.minimum(a.nan_to_num(nan=math.inf), b)]
-
-
 def _nll_loss_forward(call):
     x, target = call.arg("self"), call.arg("target")
     weight, reduction, ignore = call.arg("weight"), call.arg("reduction"), call.arg("ignore_index")
@@ -449,135 +563,6 @@ def _mse_loss(call):
 
 
 # --- normalization ------------------------------------------------------------------------------
-
-
-def _layer_norm(call):
-    x, shape = call.arg("input"), call.arg("normalized_shape")
-    w, b = call.arg("weight"), call.arg("bias")
-    out, mean, rstd = call.outputs[:3]
-    dims = list(range(x.dim() - len(shape), x.dim()))
-    n = _count(x, dims)
-    return _norm_scales(x, dims, n, w, b, out, mean, rstd, stat_shape=mean.shape)
-
-
-def _norm_scales(x, dims, n, w, b, out, mean, rstd, stat_shape, wb_view=None):
-    """Scales for y = (x - mean) * rstd * w + b and the statistics, shared by layer/batch/group norm."""
-    sq = (x * x).mean(dims, keepdim=True)
-    mabs = x.abs().mean(dims, keepdim=True)
-    r = rstd.reshape(sq.shape) if rstd.numel() == sq.numel() else rstd
-    kappa = 4 + _sqrt(n) * sq * r * r  # relative error of rstd, in u (variance cancellation)
-    wv = 1.0 if w is None else (w.abs().view(wb_view) if wb_view else w.abs())
-    bv = 0.0 if b is None else (b.abs().view(wb_view) if wb_view else b.abs())
-    centred = (out - (0.0 if b is None else (b.view(wb_view) if wb_view else b))).abs()
-    s_out = centred * kappa + wv * _sqrt(n) * mabs * r + bv + out.abs()
-    s_mean = (_sqrt(n) * mabs).reshape(stat_shape) if mean is not None and mean.numel() else None
-    s_rstd = (r * kappa).reshape(stat_shape) if rstd is not None and rstd.numel() else None
-    return [s_out, s_mean, s_rstd]
-
-
-def _layer_norm_backward(call):
-    go, x, shape = call.arg("grad_out"), call.arg("input"), call.arg("normalized_shape")
-    mean, rstd, w = call.arg("mean"), call.arg("rstd"), call.arg("weight")
-    dims = list(range(x.dim() - len(shape), x.dim()))
-    lead = list(range(x.dim() - len(shape)))
-    n = _count(x, dims)
-    n_rows = _count(x, lead)
-    xhat = (x - mean) * rstd
-    g = go if w is None else go * w
-    gi, gw, gb = call.outputs[:3]
-    out = [None, None, None]
-    if gi is not None:
-        mg = g.abs().mean(dims, keepdim=True)
-        mgx = (g * xhat).abs().mean(dims, keepdim=True)
-        xr = x.abs() * rstd
-        out[0] = rstd * (4 * g.abs() + _sqrt(n) * (mg + xhat.abs() * mgx) + 4 * xr * mgx) + gi.abs()
-    if gw is not None:
-        out[1] = _sqrt(n_rows) * (go.abs() * (xhat.abs() + 2 * x.abs() * rstd)).sum(lead)
-    if gb is not None:
-        ago = go.abs()
-        total = ago.sum(lead)
-        out[2] = _certify(_sqrt(n_rows) * total, total, _min_quantum(ago, lead, False))
-    return out
-
-
-def _batch_norm_core(call, x, w, b, rm, rv, training, momentum, outputs, mutated=True):
-    dims = [0] + list(range(2, x.dim()))
-    n = _count(x, dims)
-    view = (1, -1) + (1,) * (x.dim() - 2)
-    out, save_mean, save_invstd = outputs[:3]
-    if training:
-        r = save_invstd.view(view)
-        m = save_mean
-    else:
-        eps = float(call.arg("eps"))
-        r = (rv + eps).rsqrt().view(view)
-        m = None
-    scales = _norm_scales(x, dims, n, w, b, out, m if training else None, r, stat_shape=(-1,), wb_view=view)
-    if not training:
-        # y = (x - running_mean) * rstd * w + b: no reduction, a few roundings
-        centred = (x - rm.view(view)).abs()
-        wv = 1.0 if w is None else w.abs().view(view)
-        scales[0] = (centred + rm.abs().view(view)) * r * wv * 4 + (0.0 if b is None else b.abs().view(view)) + out.abs()
-        scales[1] = scales[2] = None
-    result = [scales[0], scales[1] if save_mean is not None and save_mean.numel() else None,
-              scales[2] if save_invstd is not None and save_invstd.numel() else None]
-    if mutated and training and rm is not None:
-        mom = float(momentum)
-        mabs = x.abs().mean(dims)
-        sq = (x * x).mean(dims) * n / max(n - 1, 1)
-        result.append((1 - mom) * rm.abs() + mom * _sqrt(n) * mabs + outputs[3].abs())
-        result.append((1 - mom) * rv.abs() + mom * _sqrt(n) * sq + outputs[4].abs())
-    return result
-
-
-def _native_batch_norm(call):
-    x, w, b = call.arg("input"), call.arg("weight"), call.arg("bias")
-    rm, rv = call.arg("running_mean"), call.arg("running_var")
-    training = call.arg("training", True)
-    return _batch_norm_core(call, x, w, b, rm, rv, training, call.arg("momentum"), call.outputs)
-
-
-def _batch_norm_no_training(call):
-    x, w, b = call.arg("input"), call.arg("weight"), call.arg("bias")
-    rm, rv = call.arg("running_mean"), call.arg("running_var")
-    return _batch_norm_core(call, x, w, b, rm, rv, False, 0.0, call.outputs)
-
-
-def _batch_norm_no_stats(call):
-    x, w, b = call.arg("input"), call.arg("weight"), call.arg("bias")
-    return _batch_norm_core(call, x, w, b, None, None, True, 0.0, call.outputs, mutated=False)
-
-
-def _batch_norm_backward(call):
-    go, x, w = call.arg("grad_out"), call.arg("input"), call.arg("weight")
-    train = call.arg("train")
-    if train:
-        mean, invstd = call.arg("save_mean"), call.arg("save_invstd")
-    else:
-        mean, invstd = call.arg("running_mean"), (call.arg("running_var") + float(call.arg("eps"))).rsqrt()
-    view = (1, -1) + (1,) * (x.dim() - 2)
-    dims = [0] + list(range(2, x.dim()))
-    n = _count(x, dims)
-    r = invstd.view(view)
-    xhat = (x - mean.view(view)) * r
-    wv = 1.0 if w is None else w.view(view)
-    g = go * wv
-    gi, gw, gb = call.outputs[:3]
-    out = [None, None, None]
-    if gi is not None:
-        if train:
-            mg = g.abs().mean(dims, keepdim=True)
-            mgx = (g * xhat).abs().mean(dims, keepdim=True)
-            out[0] = r * (4 * g.abs() + _sqrt(n) * (mg + xhat.abs() * mgx) + 4 * x.abs() * r * mgx) + gi.abs()
-        else:
-            out[0] = 4 * (g * r).abs() + gi.abs()
-    if gw is not None:
-        out[1] = _sqrt(n) * (go.abs() * (xhat.abs() + 2 * x.abs() * r)).sum(dims)
-    if gb is not None:
-        ago = go.abs()
-        total = ago.sum(dims)
-        out[2] = _certify(_sqrt(n) * total, total, _min_quantum(ago, dims, False))
-    return out
 
 
 def _group_norm(call):
@@ -626,23 +611,6 @@ def _group_norm_backward(call):
 
 
 # --- elementwise --------------------------------------------------------------------------------
-
-
-def _operand_x(call):
-    x = call.args[0]
-    return [x.abs() + call.outputs[0].abs()]
-
-
-def _grad_times(factor: Callable):
-    def scale(call):
-        go, x = call.args[0], call.args[1]
-        return [go.abs() * factor(x) + call.outputs[0].abs()]
-    return scale
-
-
-def _tanh_backward(call):
-    go, y = call.arg("grad_output"), call.arg("output")
-    return [call.outputs[0].abs() + go.abs() * y * y]
 
 
 def _rsub(call):
@@ -737,16 +705,20 @@ def _scalar_other_rule(a):
 
 PASS_RULE = Rule(PASSTHROUGH)
 EXACT_RULE = Rule(EXACT)
-APPROX_REL = Rule(APPROX, "elementwise", _rel)
-SELF_PLUS = Rule(APPROX, "elementwise", _self_plus_result)
+APPROX_REL = Rule(APPROX, "elementwise", _rel, fused=s_rel)
+SELF_PLUS = Rule(APPROX, "elementwise", _tensor_scale(s_self_plus), fused=s_self_plus)
 
 
 def _acc(fn):
     return Rule(APPROX, "accumulate", fn)
 
 
-def _ew(fn):
-    return Rule(APPROX, "elementwise", fn)
+def _ew(fn, fused=None):
+    return Rule(APPROX, "elementwise", fn, fused=fused)
+
+
+def _shared(op_class, fn):
+    return Rule(APPROX, op_class, _tensor_scale(fn), fused=fn)
 
 
 def _unsupported(why):
@@ -824,16 +796,17 @@ RULES.update({
     "_foreach_norm": Rule(APPROX, "accumulate", _foreach(_foreach_norm_scale)),
     # short elementwise formulas
     "addcmul": SELF_PLUS, "addcdiv": SELF_PLUS, "lerp": SELF_PLUS, "addr": SELF_PLUS,
-    "gelu": _ew(_operand_x), "mish": _ew(_operand_x), "hardswish": _ew(_operand_x),
-    "hardsigmoid": _ew(_operand_x),
-    "sin": _ew(_result_plus_one), "cos": _ew(_result_plus_one), "tan": _ew(_result_plus_one),
-    "gelu_backward": _ew(_grad_times(lambda x: 2 + x.abs())),
-    "silu_backward": _ew(_grad_times(lambda x: 1 + x.abs())),
-    "mish_backward": _ew(_grad_times(lambda x: 2 + x.abs())),
-    "hardswish_backward": _ew(_grad_times(lambda x: 1 + x.abs())),
-    "hardsigmoid_backward": _ew(_grad_times(lambda x: 1 + x.abs())),
-    "elu_backward": _ew(_grad_times(lambda x: 2 + x.abs())),
-    "tanh_backward": _ew(_tanh_backward),
+    "gelu": _shared("elementwise", s_self_plus), "mish": _shared("elementwise", s_self_plus),
+    "hardswish": _shared("elementwise", s_self_plus), "hardsigmoid": _shared("elementwise", s_self_plus),
+    "sin": _shared("elementwise", s_plus_one), "cos": _shared("elementwise", s_plus_one),
+    "tan": _shared("elementwise", s_plus_one),
+    "gelu_backward": _shared("elementwise", s_grad_times_2),
+    "silu_backward": _shared("elementwise", s_grad_times_1),
+    "mish_backward": _shared("elementwise", s_grad_times_2),
+    "hardswish_backward": _shared("elementwise", s_grad_times_1),
+    "hardsigmoid_backward": _shared("elementwise", s_grad_times_1),
+    "elu_backward": _shared("elementwise", s_grad_times_2),
+    "tanh_backward": _shared("elementwise", s_tanh_bw),
     "arange": _ew(_arange),
     "linspace": _ew(_linspace),
     # accumulations
@@ -863,19 +836,12 @@ RULES.update({
     "var": Rule(APPROX, "normalization", _var_like), "std": Rule(APPROX, "normalization", _var_like),
     "var_mean": Rule(APPROX, "normalization", _var_like), "std_mean": Rule(APPROX, "normalization", _var_like),
     "linalg_vector_norm": Rule(APPROX, "accumulate", _vector_norm), "norm": Rule(APPROX, "accumulate", _vector_norm),
-    "native_layer_norm": Rule(APPROX, "normalization", _layer_norm),
-    "native_layer_norm_backward": Rule(APPROX, "normalization", _layer_norm_backward),
-    "native_batch_norm": Rule(APPROX, "normalization", _native_batch_norm),
-    "_native_batch_norm_legit": Choose(lambda a: Rule(APPROX, "normalization",
-                                                       _native_batch_norm if "running_mean" in a else _batch_norm_no_stats)),
-    "_native_batch_norm_legit_no_training": Rule(APPROX, "normalization", _batch_norm_no_training),
-    "native_batch_norm_backward": Rule(APPROX, "normalization", _batch_norm_backward),
+    **{n: Rule(DECOMPOSE) for n in """native_layer_norm native_layer_norm_backward native_batch_norm
+       _native_batch_norm_legit _native_batch_norm_legit_no_training native_batch_norm_backward""".split()},
     "native_group_norm": Rule(APPROX, "normalization", _group_norm),
     "native_group_norm_backward": Rule(APPROX, "normalization", _group_norm_backward),
     # softmax and losses
-    "_softmax": Rule(APPROX, "softmax", _softmax), "_log_softmax": Rule(APPROX, "softmax", _log_softmax),
-    "_softmax_backward_data": Rule(APPROX, "softmax", _softmax_backward),
-    "_log_softmax_backward_data": Rule(APPROX, "softmax", _log_softmax_backward),
+    **{n: Rule(DECOMPOSE) for n in "_softmax _log_softmax _softmax_backward_data _log_softmax_backward_data".split()},
     "nll_loss_forward": Rule(APPROX, "softmax", _nll_loss_forward),
     "nll_loss2d_forward": Rule(APPROX, "softmax", _nll_loss_forward),
     "nll_loss_backward": Rule(APPROX, "softmax", _rel), "nll_loss2d_backward": Rule(APPROX, "softmax", _rel),
@@ -950,6 +916,7 @@ def lookup(func, named_args: dict | None = None) -> Rule:
 
 
 def scale_for(rule: Rule, call: Call) -> Sequence:
+    """Per output: a tensor broadcastable to it, a LazyScale, or None."""
     fn = rule.scale or _fallback_scale
     return fn(call)
 

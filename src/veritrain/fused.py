@@ -1,0 +1,257 @@
+"""Fused kernels for elementwise operators: float32 in, float64 inside, float32 and candidates out.
+
+Computing an elementwise op in float64 with eager torch ops costs an upcast per input, the op, the error
+scale, the near-midpoint test and the rounding: about ten passes over memory, against one for the op.
+Here the same computation is generated as one small Python function per (op, argument structure) and
+compiled with torch.compile (C++/OpenMP on CPUs, Triton on GPUs), so it reads each float32 input once
+and writes the float32 result and a candidate mask.
+
+The compiled kernel is just another correct float64 implementation of the op (its libm and operation
+order may differ from ATen's, within the op's threshold). For the few candidates the trainer recomputes
+the op eagerly from the same Python function and uses those values both for the log entry and for the
+rounded result, so its output is always consistent with its log. The auditor does the same for the
+positions its log names. Anything the kernel cannot handle falls back to the eager engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import warnings
+
+import torch
+
+from .rounding import FLOAT32_MIN_NORMAL, Grid, candidate_mask as _candidate_mask
+
+aten = torch.ops.aten
+
+
+def isolate_compile_cache() -> str:
+    """Give compiled kernels a cache of their own per vector ISA.
+
+    torch.compile's CPU code generator picks its vector ISA from ATEN_CPU_CAPABILITY, but its on-disk
+    cache does not tell ISAs apart: a process that loads kernels cached by a process with another
+    setting can compute garbage or corrupt memory (seen here). Called before anything is compiled."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = os.environ.get("VERITRAIN_COMPILE_CACHE") or default_cache_dir()
+    isa = os.environ.get("ATEN_CPU_CAPABILITY") or "auto"
+    path = os.path.join(base, f"veritrain-torch{torch.__version__}-isa-{isa}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
+isolate_compile_cache()
+
+# Ops whose float scalar arguments change from call to call (learning rates, weights) get a formula that
+# takes the scalars as 0-d float64 tensors; scalars are float32 values already (the engine rounds them).
+_FORMULAS = {
+    "lerp": "torch.where(S0 < 0.5, A0 + S0 * (A1 - A0), A1 - (A1 - A0) * (1 - S0))",
+    "addcmul": "A0 + S0 * (A1 * A2)",
+    "addcdiv": "A0 + S0 * (A1 / A2)",
+    "add": "A0 + S0 * A1",
+    "sub": "A0 - S0 * A1",
+    "div": "A0 / S0",
+}
+# arguments that are Scalars in these ops' schemas, in the order the formula's S0.. expects
+_FORMULA_SCALARS = {"lerp": ("weight",), "addcmul": ("value",), "addcdiv": ("value",), "add": ("alpha",),
+                    "sub": ("alpha",), "div": ("other",)}
+
+# ops whose float scalars are call-site constants (baked into the kernel: one kernel per value)
+_CONSTANT_SCALARS = {"pow", "softplus", "elu", "celu", "float_power"}
+
+
+def _round_to_grid(y, drop: int, cell_bits: int, half: int, low_mask: int, min_spacing: float):
+    if drop == 0:
+        return y.to(torch.float32)
+    bits = y.view(torch.int64)
+    odd = (bits >> cell_bits) & 1
+    r = ((bits + (half - 1) + odd) & ~low_mask).view(torch.float64)
+    r = torch.where(y.abs() < FLOAT32_MIN_NORMAL, torch.round(y / min_spacing) * min_spacing, r)
+    return torch.where(torch.isnan(y), y, r).to(torch.float32)
+
+
+class Unfusable(Exception):
+    pass
+
+
+class Plan:
+    __slots__ = ("key", "shape", "tensors", "scalars", "consts", "layout", "formula", "kw")
+
+    def __init__(self, key, shape, tensors, scalars, consts, layout, formula, kw):
+        self.key, self.shape, self.tensors, self.scalars, self.consts = key, shape, tensors, scalars, consts
+        self.layout, self.formula, self.kw = layout, formula, kw
+
+    def operands(self):
+        """The kernel's tensor arguments: flattened to 1-D; 0-d tensors unchanged."""
+        return [t.reshape(-1) if t.dim() else t for t in self.tensors]
+
+
+class FusedKernels:
+    """Builds, compiles and caches the kernels of one engine configuration."""
+
+    _lock = threading.Lock()
+    _failed: set = set()
+    _warned = False
+
+    def __init__(self, grid: Grid):
+        self.grid = grid
+        self._cache: dict = {}
+        self._ids = itertools.count()
+
+    @staticmethod
+    def enabled_for(numel: int) -> bool:
+        mode = os.environ.get("VERITRAIN_COMPILE", "auto")
+        if mode == "0":
+            return False
+        if mode == "1":
+            return True
+        return numel >= int(os.environ.get("VERITRAIN_COMPILE_MIN_NUMEL", 1 << 16))
+
+    def plan(self, name: str, func, named: dict, scale_fn):
+        """The kernel's argument structure for a call of ``func`` with arguments ``named`` (by schema
+        name, defaults filled, float scalars already on float32), or raise Unfusable.
+
+        Operands are passed flattened to 1-D (elementwise ops only)."""
+        tensors, consts, layout = [], [], []
+        shape = None
+        floats = {}
+        kw = {}
+        for a in func._schema.arguments:
+            x = named.get(a.name)
+            if not isinstance(x, torch.Tensor):
+                kw[a.name] = x
+            if isinstance(x, torch.Tensor):
+                if not x.is_floating_point() or x.dtype != torch.float32 or not x.is_contiguous():
+                    raise Unfusable("operand")
+                if x.dim() > 0:
+                    if shape is None:
+                        shape = tuple(x.shape)
+                    elif tuple(x.shape) != shape:
+                        raise Unfusable("broadcast")
+                layout.append((a.name, a.kwarg_only, "T", len(tensors)))
+                tensors.append(x)
+            elif isinstance(x, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in x):
+                raise Unfusable("tensor list")
+            elif type(x) is float:
+                floats[a.name] = x
+                layout.append((a.name, a.kwarg_only, "F", x))
+            else:
+                if x is torch.float32:  # dtype arguments (e.g. input_dtype): the kernel computes in float64
+                    x = kw[a.name] = torch.float64
+                layout.append((a.name, a.kwarg_only, "C", len(consts)))
+                consts.append(x)
+        if shape is None:
+            raise Unfusable("no full-size operand")
+        formula, scalars = _FORMULAS.get(name), []
+        if formula is not None:
+            vals = [named.get(arg) for arg in _FORMULA_SCALARS[name]]
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in vals) \
+                    or set(floats) - set(_FORMULA_SCALARS[name]):
+                formula = None  # e.g. a tensor weight: call the op itself
+            else:
+                scalars = [float(v) for v in vals]
+        if formula is None and floats and name not in _CONSTANT_SCALARS:
+            raise Unfusable("varying float scalars")
+        key = (func, tuple((nm, k, kind, v if kind != "T" else None) for nm, k, kind, v in layout if kind != "C"),
+               tuple(repr(c) for c in consts), scale_fn, formula is not None)
+        return Plan(key, shape, tensors, scalars, consts, layout, formula, kw)
+
+    def kernel(self, plan, func, scale_fn, c, want_cand):
+        full_key = (plan.key, c, want_cand)
+        k = self._cache.get(full_key)
+        if k is None:
+            k = self._cache[full_key] = self._build(func, plan, scale_fn, c, want_cand)
+        return k
+
+    def _build(self, func, plan, scale_fn, c, want_cand):
+        layout, consts, scalars, formula = plan.layout, plan.consts, plan.scalars, plan.formula
+        g = self.grid
+        n_t = sum(1 for e in layout if e[2] == "T")
+        params = [f"t{i}" for i in range(n_t)] + ([f"s{i}" for i in range(len(scalars))] if formula else [])
+        lines = [f"def compute({', '.join(params)}):"]
+        lines += [f"    A{i} = t{i}.to(torch.float64)" for i in range(n_t)]
+        if formula:
+            lines += [f"    S{i} = s{i}" for i in range(len(scalars))]
+            lines.append(f"    Y = {formula}")
+        else:
+            pos, kw = [], []
+            for name, kwarg_only, kind, v in layout:
+                expr = f"A{v}" if kind == "T" else repr(v) if kind == "F" else f"C{v}"
+                (kw if kwarg_only else pos).append(f"{name}={expr}" if kwarg_only else expr)
+            lines.append(f"    Y = FUNC({', '.join(pos + kw)})")
+        tensor_args = ", ".join(f"A{i}" for i in range(n_t))
+        lines.append(f"    return Y, SCALE(Y, ({tensor_args},), KW)")
+        lines.append(f"def kernel({', '.join(params)}):")
+        lines.append(f"    y, s = compute({', '.join(params)})")
+        lines.append(f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})")
+        if want_cand:
+            lines.append(f"    return y32, CAND(y, s, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})")
+        else:
+            lines.append("    return y32")
+        env = {"torch": torch, "FUNC": func, "ROUND": _round_to_grid, "CAND": _candidate_mask, "SCALE": scale_fn,
+               "KW": plan.kw, **{f"C{i}": v for i, v in enumerate(consts)}}
+        exec(compile("\n".join(lines), f"<veritrain fused kernel {next(self._ids)}: {func}>", "exec"), env)
+        return torch.compile(env["kernel"], dynamic=True, fullgraph=True), env["compute"]
+
+    @staticmethod
+    def warn_once(func, exc):
+        if not FusedKernels._warned:
+            FusedKernels._warned = True
+            warnings.warn(f"veritrain: fused kernels unavailable ({type(exc).__name__}: {exc}); using eager "
+                          f"float64 ops (same results, slower)")
+
+
+class Epilogues:
+    """Compiled "round and test" kernels for results computed by eager float64 ops (matrix products,
+    convolutions, reductions): one pass over the float64 result that evaluates its (lazy) error scale,
+    rounds it and marks the candidates."""
+
+    _ids = itertools.count()
+
+    def __init__(self, grid: Grid):
+        self.grid = grid
+        self._cache: dict = {}
+        self._failed: set = set()
+
+    def run(self, y: torch.Tensor, scale, c: float):
+        """(y32, mask) or None (not compiled here: the caller uses eager ops)."""
+        from .rules import LazyScale
+
+        if isinstance(scale, LazyScale):
+            terms = scale.full_terms()
+        else:
+            terms = [(1.0, [scale])]
+        key = (y.dim(), tuple(tuple(f.dim() for f in fs) for _, fs in terms), float(c))
+        if key in self._failed:
+            return None
+        k = self._cache.get(key)
+        try:
+            if k is None:
+                k = self._cache[key] = self._build(len(y.shape), [len(fs) for _, fs in terms], c)
+            coefs = torch.tensor([t[0] for t in terms], dtype=torch.float64, device=y.device)
+            factors = [f for _, fs in terms for f in fs]
+            return k(y, coefs, *factors)
+        except Exception as exc:
+            self._failed.add(key)
+            FusedKernels.warn_once(None, exc)
+            return None
+
+    def _build(self, ndim, n_factors, c):
+        g = self.grid
+        names, terms, i = [], [], 0
+        for t, n in enumerate(n_factors):
+            fs = [f"f{i + j}" for j in range(n)]
+            names += fs
+            i += n
+            terms.append(" * ".join([f"coefs[{t}]"] + fs))
+        src = "\n".join([
+            f"def epilogue(y, coefs, {', '.join(names)}):",
+            f"    s = {' + '.join(terms)}",
+            f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})",
+            f"    return y32, CAND(y, s, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})",
+        ])
+        env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
+        exec(compile(src, f"<veritrain epilogue {next(self._ids)}>", "exec"), env)
+        return torch.compile(env["epilogue"], dynamic=True, fullgraph=True)

@@ -16,13 +16,13 @@ from veritrain.rounding import Grid
 aten = torch.ops.aten
 
 
-def run_step(fn, tmp_path, bits=32, step=0, seed=0, replay_of=None):
+def run_step(fn, tmp_path, bits=32, step=0, seed=0, replay_of=None, op_hashes=False):
     """Run fn() under the engine as trainer (writing a log) or, with replay_of, as auditor."""
     cfg = EngineConfig(bits=bits, seed=seed)
     path = str(tmp_path / f"step{step}.vtlog")
     writer = None if replay_of else StepLogWriter(path, step, bits)
     reader = StepLogReader(replay_of, expect_step=step) if replay_of else None
-    with step_context(cfg, step, writer=writer, reader=reader) as mode:
+    with step_context(cfg, step, writer=writer, reader=reader, op_hashes=op_hashes) as mode:
         out = fn()
     if writer:
         writer.close()
@@ -240,3 +240,62 @@ def test_variance_and_norms_of_constant_data_are_exact(tmp_path):
     (v, n), _, _ = run_step(lambda: (x.var(), torch.linalg.vector_norm(x)), tmp_path)
     assert v.item() == 0.0
     assert math.isclose(n.item(), math.sqrt(64) * float(np.float32(0.3)), rel_tol=1e-6)
+
+
+def test_the_log_corrects_an_auditor_that_rounds_the_other_way(tmp_path, monkeypatch):
+    """Another correct implementation may land on the other side of a rounding midpoint. Simulate the
+    worst case: for every value the trainer logged, the auditor's float64 result is the trainer's
+    reflected across the midpoint (same distance, so not suspicious). With the log the auditor still
+    reaches the trainer's bits; without it, it does not."""
+    from veritrain.engine import _EagerSlot
+
+    grid = Grid(32)
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 10))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)) for _ in range(3)]
+
+    def train(model, opt, logs, replay):
+        for step, (x, y) in enumerate(data):
+            def f():
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            _, mode, path = run_step(f, tmp_path, step=step, replay_of=logs[step] if replay else None, op_hashes=True)
+            logs.append(path) if not replay else None
+            yield mode
+
+    trainer, t_opt = make()
+    logs = []
+    t_modes = list(train(trainer, t_opt, logs, replay=False))
+    assert sum(m.stats.entries_total for m in t_modes) > 0
+
+    original = VerifiedMode._replay
+
+    def other_side(self, func, slot, log_entries, phase, c, index, apply=True):
+        if len(log_entries.dir_pos) and isinstance(slot, _EagerSlot):
+            flat = slot.y64.view(-1)
+            pos = torch.from_numpy(log_entries.dir_pos)
+            y = flat[pos]
+            lower, _, spacing = grid.cell(y)
+            mid = torch.copysign(lower + spacing / 2, y)
+            flat[pos] = 2 * mid - y
+            slot._y32 = None
+        if apply:
+            original(self, func, slot, log_entries, phase, c, index)
+
+    monkeypatch.setattr(VerifiedMode, "_replay", other_side)
+    auditor, a_opt = make()
+    a_modes = list(train(auditor, a_opt, list(logs), replay=True))
+    assert sum(m.stats.corrections_total for m in a_modes) > 0 and sum(m.stats.suspicious_count for m in a_modes) == 0
+    assert [m.hashes for m in a_modes] == [m.hashes for m in t_modes]  # every op's output, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(trainer.state_dict().values(), auditor.state_dict().values()))
+
+    monkeypatch.setattr(VerifiedMode, "_replay", lambda *a: other_side(*a, apply=False))
+    unlogged, u_opt = make()
+    u_modes = list(train(unlogged, u_opt, list(logs), replay=True))
+    assert [m.hashes for m in u_modes] != [m.hashes for m in t_modes]

@@ -67,28 +67,29 @@ def steer_one_rounding(run, cap):
 def steered_run(tmp_path, monkeypatch):
     """A dishonest trainer: at step STEP it rounds one value the wrong way, far from any midpoint, and
     logs that decision; everything else (later ops, later steps, commitments) is honest."""
-    from veritrain.engine import VerifiedMode
+    from veritrain.engine import VerifiedMode, _EagerSlot
 
     grid = Grid(32)
     orig = VerifiedMode._record
     steered = {}
 
-    def record(self, y, analysis, slot):
-        y32, e = orig(self, y, analysis, slot)
-        if self.step == STEP and not steered and y.numel() >= 64:
-            flat = y.reshape(-1)
+    def record(self, slot, c):
+        e = orig(self, slot, c)
+        if self.step == STEP and not steered and isinstance(slot, _EagerSlot) and slot.y64.numel() >= 64:
+            flat = slot.y64.reshape(-1)
+            y32 = slot.y32.view(-1)
             taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
             far = [p for p in (grid.midpoint_distance(flat) > grid.spacing_at(flat) / 4).nonzero().flatten().tolist()
                    if p not in taken]
             if far:
                 p = far[len(far) // 2]
-                away = not bool(y32.view(-1)[p].double().abs() > flat[p].abs())
-                y32.view(-1)[p] = grid.apply_direction(flat[p:p + 1], torch.tensor([away]))[0]
+                away = not bool(y32[p].double().abs() > flat[p].abs())
+                y32[p] = grid.apply_direction(flat[p:p + 1], torch.tensor([away]))[0]
                 pos = np.append(e.dir_pos, p)
                 order = np.argsort(pos)
                 e.dir_pos, e.dir_bits = pos[order], np.append(e.dir_bits, away)[order]
-                steered.update(op=str(analysis.call.func), position=p)
-        return y32, e
+                steered.update(op=str(slot.analysis.call.func), position=p)
+        return e
 
     monkeypatch.setattr(VerifiedMode, "_record", record)
     run = tmp_path / "steered"

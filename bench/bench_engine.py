@@ -1,0 +1,169 @@
+"""Cost of verified training per step: plain float32, plain float64, trainer (records the log) and auditor
+(replays it), measured in one process so the ratios share the machine's state.
+
+    python bench/bench_engine.py                      # GPT-2 117M (batch 8 x 64) and ResNet-18 (batch 32)
+    python bench/bench_engine.py --workloads resnet18 --steps 3 --no-write
+
+Each step index runs once in every mode; the order of the modes rotates from step to step (the auditor
+always after the trainer, whose log it replays) and the first step (compilation, allocator warm-up) is
+not counted. Ratios are per step (mode time / plain float64 time of the same step), then the median.
+Writes bench/RESULTS.md unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from veritrain import hardware  # noqa: E402
+from veritrain.engine import EngineConfig, step_context  # noqa: E402
+from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
+from veritrain.rounding import Grid  # noqa: E402
+from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
+from veritrain.task import build  # noqa: E402
+
+DENSE_BITS_PER_VALUE = 1.6  # the paper's packed encoding: 5 rounding decisions (3 states) per byte
+
+WORKLOADS = {
+    "gpt2-117m": ("gpt2-text", lambda shared: {
+        "corpus": os.path.join(shared, "shakespeare.txt"), "tokenizer": os.path.join(shared, "gpt2-tokenizer"),
+        "n_layer": 12, "n_embd": 768, "n_head": 12, "batch_size": 8, "seq_len": 64, "optimizer": "adamw",
+        "lr": 1e-4, "dropout": 0.1}, "GPT-2 117M config (12x768, BPE vocabulary 50257), batch 8 x 64, AdamW, dropout 0.1"),
+    "resnet18": ("resnet_task:make_task", lambda shared: {"width": 64, "batch_size": 32},
+                 "ResNet-18 (CIFAR variant), batch 32 x 3x32x32, SGD momentum 0.9, weight decay 5e-4"),
+}
+MODES = ("fp32", "fp64", "trainer", "auditor")
+ORDERS = [("fp32", "fp64", "trainer", "auditor"), ("fp64", "trainer", "auditor", "fp32"),
+          ("trainer", "auditor", "fp32", "fp64"), ("trainer", "fp32", "auditor", "fp64")]
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads, "
+            f"{torch.backends.cpu.get_cpu_capability()}), Python {platform.python_version()}")
+
+
+def bench(name: str, steps: int, shared: str, log_dir: str) -> dict:
+    task_ref, make_config, description = WORKLOADS[name]
+    config = make_config(shared)
+    grid = Grid(32)
+    engine = EngineConfig()
+    tasks = {}
+    for mode in MODES:
+        t = build(task_ref, config)
+        _prepare_model(t, "fp64" if mode == "fp64" else "fp32", grid)
+        tasks[mode] = t
+    times = {m: [] for m in MODES}
+    logs = []
+    for step in range(steps + 1):
+        order = ORDERS[step % len(ORDERS)]
+        for mode in order:
+            task = tasks[mode]
+            batch = _prepare_batch(task.batch(step), "fp64" if mode == "fp64" else "fp32", grid)
+            path = os.path.join(log_dir, f"{name}-{step}.vtlog")
+            t0 = time.perf_counter()
+            if mode in ("fp32", "fp64"):
+                task.run_step(batch)  # plain PyTorch, no dispatch mode: what the user would run anyway
+            elif mode == "trainer":
+                writer = StepLogWriter(path, step, 32)
+                with step_context(engine, step, writer=writer) as st:
+                    task.run_step(batch)
+                info = writer.close()
+            else:
+                reader = StepLogReader(path, expect_step=step, expect_bits=32)
+                with step_context(engine, step, reader=reader) as audit_st:
+                    task.run_step(batch)
+                reader.close()
+            elapsed = time.perf_counter() - t0
+            if step > 0:
+                times[mode].append(elapsed)
+            if mode == "trainer":
+                trainer_stats = st.stats
+            if mode == "auditor":
+                logs.append({"bytes": info["bytes"], "rounded": trainer_stats.rounded_total,
+                             "entries": trainer_stats.entries_total,
+                             "corrections": audit_st.stats.corrections_total,
+                             "suspicious": audit_st.stats.suspicious_count})
+        print(f"  {name} step {step}: " + ", ".join(f"{m} {times[m][-1]:.2f}s" for m in MODES if step > 0 and times[m])
+              + f"; log {logs[-1]['bytes']} B, {logs[-1]['entries']} entries", flush=True)
+    ratio = {m: statistics.median(t / f for t, f in zip(times[m], times["fp64"])) for m in MODES}
+    counted = logs[1:]
+    rounded = statistics.median(x["rounded"] for x in counted)
+    log_bytes = statistics.median(x["bytes"] for x in counted)
+    dense = rounded * DENSE_BITS_PER_VALUE / 8
+    return {"name": name, "description": description, "steps": steps, "ratio": ratio,
+            "median_s": {m: statistics.median(times[m]) for m in MODES}, "rounded": rounded,
+            "log_bytes": log_bytes, "entries": statistics.median(x["entries"] for x in counted),
+            "dense_bytes": dense, "log_fraction": log_bytes / dense,
+            "corrections": sum(x["corrections"] for x in logs), "suspicious": sum(x["suspicious"] for x in logs)}
+
+
+def markdown(results: list, command: str) -> str:
+    lines = ["# Benchmarks", "", "Written by `bench/bench_engine.py`. Per-step times are medians over the counted steps; "
+             "ratios are per-step ratios to plain float64 measured in the same process, then the median. "
+             "Timings on a shared 2-core machine swing; compare ratios, not absolute times.", "",
+             f"Command: `{command}`", "", f"Machine: {machine()}", "",
+             "## Per-step cost", "",
+             "| workload | steps | fp32 / fp64 | trainer / fp64 | auditor / fp64 | fp64 step (median) "
+             "| rounded values | log entries | log bytes | dense 1.6-bit encoding | log / dense |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        lines.append(
+            f"| {r['description']} | {r['steps']} | {r['ratio']['fp32']:.2f}x | {r['ratio']['trainer']:.2f}x "
+            f"| {r['ratio']['auditor']:.2f}x | {r['median_s']['fp64']:.1f} s | {r['rounded']:.3g} "
+            f"| {r['entries']:.0f} | {r['log_bytes'] / 1e3:.1f} KB | {r['dense_bytes'] / 1e6:.1f} MB "
+            f"| 1/{1 / r['log_fraction']:.0f} |")
+    lines += ["", "Targets: trainer <= 1.3x plain float64, auditor <= 1.3x, log <= 1/1000 of the dense encoding.", ""]
+    for r in results:
+        misses = [f"{m} {r['ratio'][m]:.2f}x > 1.3x" for m in ("trainer", "auditor") if r["ratio"][m] > 1.3]
+        if r["log_fraction"] > 1e-3:
+            misses.append(f"log 1/{1 / r['log_fraction']:.0f} of dense > 1/1000")
+        verdict = "all targets met" if not misses else "not met: " + "; ".join(misses)
+        lines.append(f"- {r['name']}: {verdict}. Auditor corrections over the run: {r['corrections']}, "
+                     f"suspicious entries: {r['suspicious']}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="gpt2-117m,resnet18", help=f"comma-separated: {', '.join(WORKLOADS)}")
+    ap.add_argument("--steps", type=int, default=4, help="counted steps per workload (one more runs as warm-up)")
+    ap.add_argument("--shared", default=os.path.join(ROOT, "..", "shared", "data"))
+    ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    hardware.apply_process_settings()
+    names = [w for w in args.workloads.split(",") if w]
+    for w in names:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
+    results = []
+    with tempfile.TemporaryDirectory() as d:
+        for w in names:
+            print(f"{w}:", flush=True)
+            results.append(bench(w, args.steps, args.shared, d))
+    text = markdown(results, "python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(text)
+    if not args.no_write:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

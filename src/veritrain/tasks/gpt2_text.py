@@ -67,9 +67,18 @@ def load_bpe_tokenizer(folder):
     if vocab is None or merges is None:
         raise TaskError(f"config 'tokenizer': {folder!r} lacks vocab.json/encoder.json or merges.txt/vocab.bpe")
     try:
-        return GPT2TokenizerFast(vocab_file=vocab, merges_file=merges)
+        try:  # transformers >= 5 takes the files as vocab=/merges= (vocab_file= is silently ignored)
+            tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
+        except TypeError:
+            tok = GPT2TokenizerFast(vocab_file=vocab, merges_file=merges)
+        if len(tok) < 257:
+            tok = GPT2TokenizerFast(vocab_file=vocab, merges_file=merges)
     except Exception as e:  # a corrupt file: name it
         raise TaskError(f"config 'tokenizer': cannot load GPT-2 BPE files from {folder!r}: {e}") from None
+    if len(tok) < 257 or not tok("a b", add_special_tokens=False)["input_ids"]:
+        raise TaskError(f"config 'tokenizer': the files in {folder!r} load as an empty or broken vocabulary "
+                        f"({len(tok)} tokens)")
+    return tok
 
 
 def tokenize(text: str, tokenizer: str):

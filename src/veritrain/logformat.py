@@ -31,6 +31,7 @@ _H, _N, _O, _E = b"H", b"N", b"O", b"E"
 MAX_NDIM = 64
 MAX_NUMEL = 1 << 48
 MAX_NAME = 4096
+MAX_OP_BYTES = 1 << 27  # the entry blocks of one op record (honest logs: kilobytes); bounds a reader's memory
 ZSTD_LEVEL = 10
 
 
@@ -241,7 +242,7 @@ class StepLogReader:
     inflate to more than a few megabytes; record sizes are checked before anything is allocated.
     """
 
-    CHUNK = 1024
+    CHUNK = 128  # compressed bytes per feed: bounds what one zstd call can inflate (a few MB)
 
     def __init__(self, path_or_bytes, expect_step: int | None = None, expect_bits: int | None = None):
         self.source = path_or_bytes if isinstance(path_or_bytes, str) else "<bytes>"
@@ -341,6 +342,7 @@ class StepLogReader:
         if n_out > 1 << 20:
             raise LogFormatError(f"{self.source}: too many outputs in one op")
         outputs = []
+        self._op_budget = MAX_OP_BYTES
         for _ in range(n_out):
             ndim = self._varint()
             if ndim > MAX_NDIM:
@@ -369,6 +371,9 @@ class StepLogReader:
         count, length = self._varint(), self._varint()
         if count > numel or length > 10 * count or length < count:
             raise LogFormatError(f"{self.source}: entry block does not fit its output")
+        self._op_budget -= length + 4 * count  # checked before anything is read or allocated
+        if self._op_budget < 0:
+            raise LogFormatError(f"{self.source}: op record larger than {MAX_OP_BYTES} bytes")
         pos = gaps_to_positions(decode_varints(self._read(length), count))
         if count and (pos[-1] >= numel or pos[0] < 0):
             raise LogFormatError(f"{self.source}: entry position outside its output")

@@ -38,3 +38,30 @@ def audit_json(run_dir, variant, *extra):
 @pytest.fixture(scope="session")
 def shakespeare():
     return shared_file("shakespeare.txt")
+
+
+def recommit(run_dir):
+    """Rewrite a run's commitments (records' log hashes, leaves, root) to match its files as they are now:
+    what a dishonest trainer that edited its logs would publish. Returns the new root."""
+    import hashlib
+
+    from veritrain import store
+
+    m = store.load_manifest(str(run_dir))
+    run_sha = store.run_sha256(m)
+    leaves = []
+    for i, (a, b) in enumerate(store.intervals(m["steps"], m["checkpoint_every"])):
+        hashes = []
+        for s in range(a, b):
+            rp = os.path.join(run_dir, store.record_name(s))
+            rec = json.loads(open(rp, "rb").read())
+            lp = os.path.join(run_dir, store.log_name(s))
+            log_sha = store.file_sha256(lp) if os.path.exists(lp) else None
+            raw = store.record_bytes(s, rec["batch_sha256"], rec["batch_indices"], rec["loss"], log_sha)
+            store.write_bytes_atomic(rp, raw)
+            hashes.append(hashlib.sha256(raw).hexdigest())
+        leaves.append(store.leaf_data(i, a, b, run_sha, store.committed_state(m, b), hashes))
+    m["leaves"] = [x.hex() for x in leaves]
+    m["root"] = store.tree_of(leaves).root().hex()
+    store.save_manifest(str(run_dir), m)
+    return m["root"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import audit_json, cli
+from conftest import audit_json, cli, recommit
 from veritrain.logformat import read_records, write_records
 from veritrain.rounding import Grid
 from veritrain.runner import TrainOptions, log_name, train
@@ -114,11 +114,13 @@ def test_steered_rounding_is_suspicious_even_when_hashes_match(steered_run):
 def test_log_steered_after_training_is_rejected(honest_run):
     run, cap = honest_run
     name, position = steer_one_rounding(run, cap)
+    recommit(run)  # the dishonest trainer commits to the steered log
     r = audit_json(run, "onednn-sse41")
     assert not r["accepted"] and r["suspicious"] >= 1
     first = r["suspicious_details"][0]
     assert (first["step"], first["op"], first["position"]) == (STEP, name, position)
-    assert not r["checkpoints"][-1]["match"]
+    after = {c["step"]: c["match"] for c in r["checkpoints"]}
+    assert after[STEP + 1] is False, "the steered value changes the state at the end of its interval"
 
 
 def test_flipping_genuine_entries_changes_the_result(honest_run):
@@ -137,6 +139,7 @@ def test_flipping_genuine_entries_changes_the_result(honest_run):
                 o.dir_bits = ~o.dir_bits
         write_records(path, step, bits, ops)
     assert first_flipped is not None
+    recommit(run)
     r = audit_json(run, "native")
     assert not r["accepted"]
     assert any("differs from the trainer" in reason for reason in r["reasons"])
@@ -153,6 +156,7 @@ def test_log_of_another_task_fails_with_fingerprint_error(tmp_path, shakespeare)
                                "batch_size": 2, "max_chars": 5000}))
     shutil.rmtree(digits / "logs")
     shutil.copytree(gpt / "logs", digits / "logs")
+    recommit(digits)
     r = audit_json(digits, "native")
     assert not r["accepted"]
     assert r["reasons"][0].startswith("step 0, op #1: replay runs aten.convolution.default but the log has "
@@ -165,6 +169,7 @@ def test_log_of_another_configuration_fails_with_shape_error(tmp_path):
     train(TrainOptions(task="digits-cnn", out=str(b), steps=1, checkpoint_every=1, progress=False,
                        config={"width": 8}))
     shutil.copy(b / log_name(0), a / log_name(0))
+    recommit(a)
     r = audit_json(a, "native")
     assert not r["accepted"]
     assert "step 0, op #1 aten.convolution.default: output shapes [(64, 16, 8, 8)] differ from the log's " \
@@ -178,6 +183,9 @@ def test_truncated_or_missing_log_is_rejected_with_its_name(honest_run):
     open(path, "wb").write(data[: len(data) // 2])
     r = audit_json(run, "native")
     assert not r["accepted"] and "step_00000002.vtlog" in r["reasons"][0]
+    recommit(run)  # even when the trainer commits to the truncated log, the log format rejects it
+    r = audit_json(run, "native")
+    assert not r["accepted"] and "step_00000002.vtlog" in r["reasons"][0] and "truncated" in r["reasons"][0]
     os.remove(path)
     r = audit_json(run, "native")
     assert not r["accepted"] and "step_00000002.vtlog" in r["reasons"][0]

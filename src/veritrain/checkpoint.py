@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .commitments import canonical_json, state_hash
+from .store import fsync_dir
 
 
 class CheckpointError(ValueError):
@@ -91,6 +92,7 @@ def save_checkpoint(path: str, model, optimizer, scheduler, step: int) -> str:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(d)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

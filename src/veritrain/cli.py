@@ -1,4 +1,4 @@
-"""Command line: ``veritrain train | audit | demo | variants``.
+"""Command line: ``veritrain train | audit | verify | inspect | serve | dispute | demo | calibrate | variants``.
 
 Exit codes: 0 accepted / done, 1 rejected, 2 bad input or usage.
 """
@@ -34,12 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="task config override")
     t.add_argument("--mode", default="verified", choices=["verified", "nolog", "fp64", "fp32"])
     t.add_argument("--thresholds", help="JSON file of per-class threshold constants")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the killed run in --out from its last complete checkpoint")
     t.add_argument("--quiet", action="store_true")
     _variant_arg(t)
 
-    a = sub.add_parser("audit", help="replay a run and compare every checkpoint hash")
+    a = sub.add_parser("audit", help="replay a run's intervals and check each against the committed root")
     a.add_argument("run_dir")
-    a.add_argument("--out", help="write the auditor's checkpoints and audit.json here")
+    a.add_argument("--out", help="save the audit here (audit.json, kept after each interval); an existing "
+                                 "audit of the same run continues where it stopped")
+    a.add_argument("--intervals", help="replay only these intervals (0-based), e.g. 3,5-7")
+    a.add_argument("--sample", type=int, help="replay N intervals drawn at random (with --seed)")
+    a.add_argument("--seed", type=int, default=0, help="seed for --sample")
+    a.add_argument("--root", help="the root the trainer gave you (default: the one in the run's manifest)")
     a.add_argument("--json", action="store_true", help="print the result as JSON")
     a.add_argument("--quiet", action="store_true")
     _variant_arg(a)
@@ -51,6 +58,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the auditor's hardware variant")
 
     sub.add_parser("variants", help="list the emulated hardware variants")
+
+    v = sub.add_parser("verify", help="check every file of a run against its manifest and root (no replay)")
+    v.add_argument("run_dir")
+    v.add_argument("--root", help="also require this root")
+    v.add_argument("--json", action="store_true")
+
+    i = sub.add_parser("inspect", help="summarise a run or an audit: steps, root, log sizes, entries")
+    i.add_argument("run_dir")
+    i.add_argument("--json", action="store_true", help="print the stable JSON object of docs/FORMAT.md")
+
+    sv = sub.add_parser("serve", help="answer the verification game's queries about a run over HTTP")
+    sv.add_argument("run_dir")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8337, help="port (0: any free port)")
+
+    g = sub.add_parser("dispute", help="play the verification game against a run (directory or http://HOST:PORT)")
+    g.add_argument("prover", help="the trainer's run directory or http://HOST:PORT of `veritrain serve`")
+    g.add_argument("audit_dir", help="an audit directory written by `veritrain audit --out`")
+    g.add_argument("--root", help="the root the trainer gave you (default: the audited root)")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds the prover may take per answer")
+    g.add_argument("--json", action="store_true")
 
     c = sub.add_parser("calibrate", help="measure float64 differences across hardware variants; write thresholds")
     c.add_argument("task")
@@ -89,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         from .checkpoint import CheckpointError
         from .engine import VeritrainError
         from .logformat import LogFormatError
-        from .runner import RunError
+        from .store import RunError
         from .task import TaskError
 
-        if isinstance(e, (RunError, TaskError, CheckpointError, LogFormatError, VeritrainError, ValueError,
+        if isinstance(e, (RunError, TaskError, CheckpointError, LogFormatError, VeritrainError, ValueError, OSError,
                           FileNotFoundError, PermissionError)):
             print(f"veritrain: error: {e}", file=sys.stderr)
             return 2
@@ -114,7 +142,110 @@ def _dispatch(args) -> int:
         return _calibrate(args)
     if args.command == "_compare":
         return _compare(args)
+    if args.command == "verify":
+        return _verify(args)
+    if args.command == "inspect":
+        return _inspect(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "dispute":
+        return _dispute(args)
     return 2
+
+
+def _verify(args) -> int:
+    from .store import verify
+
+    r = verify(args.run_dir, args.root)
+    if args.json:
+        print(json.dumps(r, indent=1, sort_keys=True))
+    else:
+        print(f"{args.run_dir}: {r['steps']} steps, {r['intervals']} intervals, root {r['root']}")
+        for p in r["problems"]:
+            print(f"  {p['file']}: {p['problem']}")
+        print("consistent" if r["ok"] else f"NOT consistent: {len(r['problems'])} problem(s)")
+    return 0 if r["ok"] else 1
+
+
+def _inspect(args) -> int:
+    from .inspect import inspect_dir
+
+    r = inspect_dir(args.run_dir)
+    if args.json:
+        print(json.dumps(r, indent=1, sort_keys=True))
+        return 0
+    if r["kind"] == "audit":
+        print(f"audit of {r['run']}: root {r['root']}")
+        print(f"  intervals verified {r['intervals_verified']} ({r['intervals_matching']} matching), steps "
+              f"{r['steps']}, corrections {r['corrections_total']} ({', '.join(f'{k} {v}' for k, v in r['corrections'].items())}), "
+              f"suspicious entries {r['suspicious']}")
+        return 0
+    print(f"run {args.run_dir}: task {r['task']}, mode {r['mode']}, b={r['bits']}, {r['steps']} steps, "
+          f"{r['intervals']} intervals, {'complete' if r['complete'] else 'INCOMPLETE'}")
+    print(f"  root {r['root']}")
+    print(f"  final state {r['final_state_hash']}")
+    if r["log_bytes_total"] is not None:
+        n = max(r["steps"], 1)
+        print(f"  log {r['log_bytes_total']} bytes ({r['log_bytes_total'] / n:.0f} per step) for "
+              f"{r['rounded_values_total']} rounded values; entries: {r['entries']['direction']} direction, "
+              f"{r['entries']['value']} value, {r['entries']['scalar']} scalar")
+        print(f"  the paper's dense encoding (1.6 bits per rounded value): {r['dense_encoding_bytes_total']:.0f} bytes "
+              f"({r['dense_encoding_bytes_total'] / max(r['log_bytes_total'], 1):.0f}x ours)")
+    return 0
+
+
+def _serve(args) -> int:
+    from .protocol import LocalProver
+    from .server import make_server
+
+    prover = LocalProver(args.run_dir)
+    server = make_server(prover, args.host, args.port)
+    host, port = server.server_address[:2]
+    print(f"serving {args.run_dir} (root {prover.manifest().get('root')}) on http://{host}:{port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def _dispute(args) -> int:
+    from .protocol import Challenger, LocalProver, _Lost
+    from .server import HttpProver
+    from .store import RunError
+
+    p = os.path.join(args.audit_dir, "audit.json")
+    try:
+        with open(p) as f:
+            audit_state = json.load(f)
+    except FileNotFoundError:
+        raise RunError(f"{args.audit_dir} has no audit.json: run `veritrain audit RUN --out {args.audit_dir}` first") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise RunError(f"{p} is unreadable ({e})") from None
+    if args.prover.startswith(("http://", "https://")):
+        prover = HttpProver(args.prover, timeout=args.timeout)
+    else:
+        prover = LocalProver(args.prover)
+    try:
+        verdict = Challenger(prover, audit_state, args.root).play()
+    except _Lost as e:
+        verdict = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None, "module": None,
+                   "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
+    if args.json:
+        print(json.dumps(verdict, indent=1, sort_keys=True))
+    else:
+        print(f"verdict: {verdict['verdict']}")
+        for k in ("interval", "step", "operator", "module", "data_step", "ruling"):
+            if verdict.get(k) is not None:
+                print(f"  {k}: {verdict[k]}")
+        print(f"  queries {verdict['queries']}, referee recomputed {verdict['referee_ops']} op(s) from "
+              f"{verdict['referee_bytes']} bytes" + (f"; replaying the interval ran {verdict['interval_replay_ops']} ops"
+                                                     if verdict.get("interval_replay_ops") else ""))
+        for r in verdict.get("reasons", []):
+            print(f"  - {r}")
+    return 0 if verdict["verdict"] == "no_dispute" else 1
 
 
 def _calibrate(args) -> int:
@@ -168,10 +299,11 @@ def _train(args) -> int:
         thresholds = thresholds.get("thresholds", thresholds)
     m = train(TrainOptions(task=args.task, out=args.out, steps=args.steps, checkpoint_every=args.checkpoint_every,
                            bits=args.bits, seed=args.seed, config=parse_overrides(args.set, {}), mode=args.mode,
-                           thresholds=thresholds, progress=not args.quiet))
+                           thresholds=thresholds, progress=not args.quiet, resume=args.resume))
     last = m["checkpoints"][-1]
     print(f"trained {m['task']} for {m['steps_completed']} steps (mode {m['mode']}, b={m['bits']}) -> {args.out}")
     print(f"final state hash (step {last['step']}): {last['state_sha256']}")
+    print(f"root (the trainer's commitment to the run): {m['root']}")
     if m.get("evaluation"):
         print("held-out: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in m["evaluation"].items()))
@@ -181,14 +313,19 @@ def _train(args) -> int:
 def _audit(args) -> int:
     from .runner import audit
 
-    r = audit(args.run_dir, args.out, progress=not args.quiet)
+    if args.intervals and args.sample:
+        raise ValueError("use either --intervals or --sample, not both")
+    r = audit(args.run_dir, args.out, progress=not args.quiet, intervals=args.intervals, sample=args.sample,
+              sample_seed=args.seed, root=args.root)
     if args.json:
         print(json.dumps(r.as_dict(), indent=1, sort_keys=True))
     else:
         print(f"audit of {args.run_dir} on {r.hardware['variant']} ({r.hardware['cpu_capability']}, "
               f"{r.hardware['threads']} threads)")
-        for c in r.checkpoints:
-            print(f"  step {c['step']:6d}  {'match   ' if c['match'] else 'MISMATCH'}  {c['auditor'][:16]}")
+        for iv in r.intervals:
+            a, b = iv["steps"]
+            print(f"  interval {iv['interval']:4d} (steps {a}..{b - 1})  "
+                  f"{'match   ' if iv['match'] else 'MISMATCH'}{'  (verified before)' if iv.get('resumed') else ''}")
         print(f"  steps replayed {r.steps}, log entries {r.entries}, corrections applied "
               f"{sum(r.corrections.values())} ({', '.join(f'{k} {v}' for k, v in r.corrections.items())}), "
               f"suspicious entries {r.suspicious}")

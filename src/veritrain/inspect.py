@@ -1,0 +1,96 @@
+"""``veritrain inspect``: what a run or an audit holds, as a stable JSON object (docs/FORMAT.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from . import store
+from .logformat import LogFormatError, StepLogReader
+
+DENSE_BITS_PER_VALUE = 1.6  # the paper's packed encoding: 5 three-way rounding decisions per byte
+INSPECT_FORMAT = "veritrain-inspect/1"
+
+
+def _log_totals(path: str, step: int, bits: int) -> dict | None:
+    try:
+        r = StepLogReader(path, expect_step=step, expect_bits=bits)
+        while r.next_op() is not None:
+            pass
+        r.close()
+    except LogFormatError:
+        return None
+    t = r.end
+    return {"rounded_values": t.rounded_values, "direction": t.n_dir, "value": t.n_val, "scalar": t.n_scalar,
+            "ops": t.n_ops}
+
+
+def inspect_run(run_dir: str) -> dict:
+    m = store.load_manifest(run_dir)
+    steps = int(m.get("steps_completed", 0))
+    per_step, log_total, rounded_total = [], 0, 0
+    entries = {"direction": 0, "value": 0, "scalar": 0}
+    verified = m["mode"] == "verified"
+    for s in range(steps):
+        row = {"step": s, "loss": None}
+        try:
+            with open(os.path.join(run_dir, store.record_name(s)), "rb") as f:
+                rec = json.loads(f.read(1 << 20))
+            row["loss"] = rec.get("loss") if isinstance(rec, dict) else None
+        except (OSError, ValueError):
+            pass
+        if verified:
+            p = os.path.join(run_dir, store.log_name(s))
+            tot = _log_totals(p, s, int(m["bits"])) if os.path.exists(p) else None
+            row["log_bytes"] = os.path.getsize(p) if os.path.exists(p) else None
+            if tot:
+                row.update(tot)
+                log_total += row["log_bytes"]
+                rounded_total += tot["rounded_values"]
+                for k in entries:
+                    entries[k] += tot[k]
+        per_step.append(row)
+    final = m["checkpoints"][-1]["state_sha256"] if m["checkpoints"] else None
+    return {
+        "format": INSPECT_FORMAT, "kind": "run", "run": os.path.abspath(run_dir), "task": m["task"],
+        "mode": m["mode"], "bits": m["bits"], "seed": m["seed"], "complete": bool(m.get("complete")),
+        "root": m.get("root"), "steps": steps,
+        "intervals": len(store.intervals(steps, m["checkpoint_every"])), "checkpoint_every": m["checkpoint_every"],
+        "final_state_hash": final,
+        "log_bytes_total": log_total if verified else None,
+        "rounded_values_total": rounded_total if verified else None,
+        "dense_encoding_bytes_total": rounded_total * DENSE_BITS_PER_VALUE / 8 if verified else None,
+        "entries": entries if verified else None,
+        "per_step": per_step,
+        "evaluation": m.get("evaluation"),
+    }
+
+
+def inspect_audit(audit_dir: str) -> dict:
+    p = os.path.join(audit_dir, "audit.json")
+    try:
+        with open(p) as f:
+            a = json.load(f)
+    except (OSError, ValueError) as e:
+        raise store.RunError(f"{p} is unreadable ({e})") from None
+    ivs = a.get("intervals", [])
+    corr = {"forward": 0, "backward": 0, "optimizer": 0}
+    for r in ivs:
+        for k in corr:
+            corr[k] += r.get("corrections", {}).get(k, 0)
+    return {
+        "format": INSPECT_FORMAT, "kind": "audit", "run": a.get("run"), "root": a.get("root"),
+        "intervals_verified": len(ivs), "intervals_matching": sum(1 for r in ivs if r.get("match")),
+        "steps": sum(r["steps"][1] - r["steps"][0] for r in ivs if "steps" in r),
+        "corrections": corr, "corrections_total": sum(corr.values()),
+        "suspicious": sum(r.get("suspicious", 0) for r in ivs),
+        "entries_replayed": sum(r.get("entries", 0) for r in ivs),
+        "per_interval": [{k: r.get(k) for k in ("interval", "steps", "match", "corrections", "suspicious")} for r in ivs],
+        "hardware": a.get("hardware"),
+    }
+
+
+def inspect_dir(path: str) -> dict:
+    if os.path.exists(os.path.join(path, "audit.json")) and not os.path.exists(os.path.join(path, store.MANIFEST)):
+        return inspect_audit(path)
+    return inspect_run(path)

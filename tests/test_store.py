@@ -1,0 +1,163 @@
+"""The run store: commitments in the manifest, integrity checks of every file, crash-safe resume, audits
+of chosen intervals that can be split and restarted, and inspect's JSON."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import cli
+from veritrain.runner import TrainOptions, audit, train
+from veritrain.store import RunError, ckpt_name, load_manifest, log_name, record_name, verify
+
+STEPS, EVERY = 6, 2
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    run = tmp_path_factory.mktemp("store") / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=STEPS, checkpoint_every=EVERY, progress=False))
+    return run
+
+
+@pytest.fixture()
+def run(pristine, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(pristine, copy)
+    return copy
+
+
+def test_manifest_commits_to_a_root_over_one_leaf_per_interval(pristine):
+    m = load_manifest(str(pristine))
+    assert m["complete"] and len(m["leaves"]) == STEPS // EVERY and len(m["root"]) == 64
+    assert [c["step"] for c in m["checkpoints"]] == [0, 2, 4, 6]
+    r = verify(str(pristine))
+    assert r["ok"], r["problems"]
+    assert r["root"] == m["root"]
+    p = cli("verify", pristine, check=0)
+    assert "consistent" in p.stdout
+    assert cli("verify", pristine, "--root", "ab" * 32).returncode == 1
+
+
+def flip_byte(path, where=0.5):
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * where)
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "checkpoint": ckpt_name(4), "log": log_name(3), "record": record_name(1), "manifest": "manifest.json",
+}
+
+
+@pytest.mark.parametrize("kind", ["flip", "delete", "truncate"])
+@pytest.mark.parametrize("what", sorted(CORRUPTIONS))
+def test_verify_names_a_damaged_file_and_audit_refuses_it(run, what, kind):
+    name = CORRUPTIONS[what]
+    path = run / name
+    if kind == "flip":
+        flip_byte(path, 0.9 if what == "checkpoint" else 0.5)
+    elif kind == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    p = cli("verify", run, "--json")
+    assert p.returncode in (1, 2), p.stderr
+    if p.returncode == 1:
+        r = json.loads(p.stdout)
+        assert not r["ok"] and any(x["file"] == name for x in r["problems"]), r["problems"]
+    else:
+        assert name in p.stderr
+    a = cli("audit", run, "--json", "--quiet")
+    assert a.returncode in (1, 2)
+    if a.returncode == 1:
+        r = json.loads(a.stdout)
+        assert not r["accepted"]
+        assert any(os.path.basename(name) in x or "data record" in x or "differ" in x for x in r["reasons"]), r["reasons"]
+    else:
+        assert "manifest" in a.stderr or os.path.basename(name) in a.stderr, a.stderr
+
+
+def test_audit_of_chosen_or_sampled_intervals(pristine, tmp_path):
+    r = audit(str(pristine), progress=False, intervals="0,2")
+    assert r.accepted and [i["interval"] for i in r.intervals] == [0, 2] and r.steps == 4
+    r = audit(str(pristine), progress=False, sample=2, sample_seed=5)
+    assert r.accepted and len(r.intervals) == 2
+    assert [i["interval"] for i in r.intervals] == [i["interval"] for i in
+                                                   audit(str(pristine), progress=False, sample=2, sample_seed=5).intervals]
+    with pytest.raises(RunError, match="intervals 0..2"):
+        audit(str(pristine), progress=False, intervals="7")
+    assert cli("audit", pristine, "--intervals", "1-2", "--quiet", check=0)
+
+
+def _wait_for(path, proc, timeout=300):
+    t0 = time.time()
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "process ended"
+        assert time.time() - t0 < timeout
+        time.sleep(0.05)
+
+
+def test_train_killed_mid_run_resumes_to_the_same_root(pristine, tmp_path):
+    steps = 9
+    ref = tmp_path / "ref"
+    train(TrainOptions(task="digits-cnn", out=str(ref), steps=steps, checkpoint_every=3, progress=False))
+    run = tmp_path / "killed"
+    kill_after = random.Random().randint(1, steps - 2)
+    proc = subprocess.Popen([sys.executable, "-m", "veritrain.cli", "train", "digits-cnn", "--out", str(run),
+                             "--steps", str(steps), "--checkpoint-every", "3", "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(run / record_name(kill_after), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    m = load_manifest(str(run))
+    assert not m["complete"], "killed too late"
+    p = cli("audit", run, "--quiet")
+    assert p.returncode == 2 and "incomplete" in p.stderr
+    cli("train", "digits-cnn", "--out", run, "--resume", "--quiet", check=0)
+    assert load_manifest(str(run))["root"] == load_manifest(str(ref))["root"], f"killed after step {kill_after}"
+    assert verify(str(run))["ok"]
+    p = cli("train", "digits-cnn", "--out", run, "--resume")
+    assert p.returncode == 2 and "complete run" in p.stderr
+
+
+def test_an_auditor_killed_and_restarted_keeps_what_it_verified(pristine, tmp_path):
+    out = tmp_path / "audit"
+    proc = subprocess.Popen([sys.executable, "-m", "veritrain.cli", "audit", str(pristine), "--out", str(out),
+                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(out / "audit.json", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = json.loads((out / "audit.json").read_text())
+    verified = {r["interval"] for r in before["intervals"]}
+    assert verified
+    p = cli("audit", pristine, "--out", out, "--json", "--quiet", check=0)
+    r = json.loads(p.stdout)
+    assert r["accepted"] and [i["interval"] for i in r["intervals"]] == [0, 1, 2]
+    assert {i["interval"] for i in r["intervals"] if i["resumed"]} == verified
+    other = tmp_path / "other"
+    train(TrainOptions(task="digits-cnn", out=str(other), steps=2, checkpoint_every=1, progress=False))
+    p = cli("audit", other, "--out", out, "--quiet")
+    assert p.returncode == 2 and "another run" in p.stderr
+
+
+def test_inspect_json(pristine, tmp_path):
+    r = json.loads(cli("inspect", pristine, "--json", check=0).stdout)
+    m = load_manifest(str(pristine))
+    assert r["root"] == m["root"] and r["steps"] == STEPS and r["final_state_hash"] == m["checkpoints"][-1]["state_sha256"]
+    assert r["log_bytes_total"] == sum((pristine / log_name(s)).stat().st_size for s in range(STEPS))
+    assert r["rounded_values_total"] > 0 and r["dense_encoding_bytes_total"] == r["rounded_values_total"] * 1.6 / 8
+    assert r["log_bytes_total"] < r["dense_encoding_bytes_total"]
+    assert set(r["entries"]) == {"direction", "value", "scalar"}
+    out = tmp_path / "audit"
+    cli("audit", pristine, "--out", out, "--quiet", "--variant", "threads-1", check=0)
+    a = json.loads(cli("inspect", out, "--json", check=0).stdout)
+    assert a["kind"] == "audit" and a["intervals_matching"] == 3 and a["suspicious"] == 0
+    assert a["corrections_total"] >= 0

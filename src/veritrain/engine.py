@@ -21,6 +21,7 @@ are logged too). User code never sees a dtype change.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -342,7 +343,7 @@ class VerifiedMode(TorchDispatchMode):
         self.op_index = 0
         self.in_optimizer = False
         self.rounding = config.mode in ("verified", "nolog")
-        self.hashes: list | None = None  # per-op output hashes (dispute game), when enabled
+        self.trace: OpTrace | None = None  # per-op digests (dispute game), when enabled
         self.probe = None  # calibration: called with each approx result before rounding
         self._fk = None
         self._ep = None
@@ -372,9 +373,29 @@ class VerifiedMode(TorchDispatchMode):
             if rule.kind == rules.RANDOM:
                 return self._random(func, args, kwargs)
             return func(*args, **kwargs)
+        if self.trace is not None:
+            return self._traced(func, rule, args, kwargs)
         if rule.kind == rules.RANDOM:
             return self._random(func, args, kwargs)
         return self._compute(func, rule, args, kwargs)
+
+    def _traced(self, func, rule, args, kwargs):
+        """Run one op and add its digests to the trace (inputs hashed before in-place ops change them)."""
+        tr = self.trace
+        before, random_before = self.op_index, self.random_index
+        inputs = [_tensor_digest(x).hex() for x in _tensor_leaves((args, kwargs))]
+        call = dump_call(func, args, kwargs, random_before) if tr.capture == before + 1 else None
+        out = self._random(func, args, kwargs) if rule.kind == rules.RANDOM else self._compute(func, rule, args, kwargs)
+        if self.op_index == before + 1:  # this call was one rounded op (not integer work)
+            outputs = [_tensor_digest(x).hex() for x in _tensor_leaves(out)]
+            for d in outputs:
+                tr.sources.setdefault(d, f"op:{self.op_index}")
+            chain = tr.chain(str(func), outputs)
+            tr.entries.append({"index": self.op_index, "op": str(func), "where": tr.where(self), "inputs": inputs,
+                               "sources": [tr.sources.get(d) for d in inputs], "outputs": outputs, "chain": chain})
+            if call is not None:
+                tr.captured = call
+        return out
 
     def _phase(self) -> str:
         if self.in_optimizer:
@@ -646,8 +667,6 @@ class VerifiedMode(TorchDispatchMode):
         if self.writer is not None:
             stats.entries_scalar += len(scalars)
             self.writer.op(str(func), scalars, entries, n_rounded)
-        if self.hashes is not None:
-            self.hashes.append((str(func), [_tensor_digest(f) for f in finals if f is not None]))
         return finals
 
     def _record(self, slot, c) -> OutputEntries:
@@ -933,8 +952,12 @@ def _tensor_digest(t: torch.Tensor) -> bytes:
 
 
 @contextlib.contextmanager
-def step_context(config: EngineConfig, step: int, writer=None, reader=None, op_hashes: bool = False, probe=None):
+def step_context(config: EngineConfig, step: int, writer=None, reader=None, trace: OpTrace | None = None, probe=None,
+                 check_trailing: bool = True):
     """Run one training step under the engine. Yields the VerifiedMode (its ``stats`` after exit).
+
+    ``trace`` collects per-operator digests (the verification game); ``check_trailing=False`` lets a
+    replay of part of a step (the referee's single operator) leave the rest of the log unread.
 
     Also pins the device-dependent choices that would change the op stream between machines:
     scaled-dot-product attention uses its math backend and cudnn is off inside the step.
@@ -943,8 +966,7 @@ def step_context(config: EngineConfig, step: int, writer=None, reader=None, op_h
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     mode = VerifiedMode(config, step, writer=writer, reader=reader)
-    if op_hashes:
-        mode.hashes = []
+    mode.trace = trace
     mode.probe = probe
 
     def pre(opt, a, k):
@@ -960,9 +982,113 @@ def step_context(config: EngineConfig, step: int, writer=None, reader=None, op_h
     finally:
         h1.remove()
         h2.remove()
-    if reader is not None:
+    if reader is not None and check_trailing:
         trailing = reader.next_op()
         if trailing is not None:
             raise ReplayMismatchError(
                 f"step {step}: the replay finished but the trainer's log has more ops (next: {trailing.name}); "
                 f"the replay runs different code than the trainer did")
+
+
+# --- operator traces (verification game, phase 3) -------------------------------------------------
+
+
+class OpTrace:
+    """Per-operator records of one step: op name, where it ran, input and output digests.
+
+    ``sources`` labels digests known before the step (the batch's tensors, the state's tensors) so a
+    disputed input can be traced to what produced it; ``capture = k`` keeps a copy of operator k's call
+    (``captured``, in ``dump_call`` format) for the referee.
+    """
+
+    def __init__(self, capture: int | None = None):
+        self.entries: list[dict] = []
+        self.capture = capture
+        self.captured: bytes | None = None
+        self.sources: dict[str, str] = {}
+        self.modules: list[str] = []
+
+    def chain(self, op: str, outputs: list) -> str:
+        """Hash of every op and output so far: bisection on it finds the first difference (monotone)."""
+        import hashlib
+
+        prev = self.entries[-1]["chain"] if self.entries else ""
+        return hashlib.sha256((prev + op + "".join(outputs)).encode()).hexdigest()
+
+    def add_sources(self, tensors: dict, kind: str):
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor):
+                self.sources.setdefault(_tensor_digest(t).hex(), f"{kind}:{name}")
+
+    def where(self, mode) -> str | None:
+        if mode.in_optimizer:
+            return "optimizer"
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return f"backward:{node.name()}"
+        return self.modules[-1] if self.modules else None
+
+
+def _tensor_leaves(tree) -> list:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def dump_call(func, args, kwargs, random_index: int) -> bytes:
+    """An operator call as bytes: safetensors holding its tensor arguments, the rest as JSON metadata."""
+    from safetensors.torch import save
+    from torch.utils._pytree import treespec_dumps
+
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors, encoded = {}, []
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            tensors[f"t{i}"] = x.detach().cpu().contiguous().clone()
+            encoded.append({"tensor": f"t{i}"})
+        elif isinstance(x, torch.dtype):
+            encoded.append({"dtype": str(x).replace("torch.", "")})
+        elif isinstance(x, torch.device):
+            encoded.append({"device": str(x)})
+        elif isinstance(x, (torch.memory_format, torch.layout)):
+            encoded.append({type(x).__name__: str(x).replace("torch.", "")})
+        elif isinstance(x, float):
+            encoded.append({"float": repr(x)})
+        elif x is None or isinstance(x, (bool, int, str)):
+            encoded.append({"value": x})
+        else:
+            raise ValueError(f"cannot serialise an argument of type {type(x).__name__} of {func}")
+    meta = {"func": str(func), "spec": treespec_dumps(spec), "leaves": json.dumps(encoded),
+            "random_index": str(random_index)}
+    return save(tensors, metadata=meta)
+
+
+def load_call(data: bytes):
+    """(func, args, kwargs, random_index, tensor arguments in order) from ``dump_call`` bytes."""
+    from safetensors.torch import load
+    from torch.utils._pytree import treespec_loads
+
+    tensors = load(data)
+    from safetensors import safe_open  # noqa: F401 - metadata via the header below
+
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + n]).get("__metadata__", {})
+    ns, name, overload = meta["func"].split(".")
+    func = getattr(getattr(getattr(torch.ops, ns), name), overload)
+    leaves, ordered = [], []
+    for e in json.loads(meta["leaves"]):
+        if "tensor" in e:
+            leaves.append(tensors[e["tensor"]])
+            ordered.append(tensors[e["tensor"]])
+        elif "dtype" in e:
+            leaves.append(getattr(torch, e["dtype"]))
+        elif "device" in e:
+            leaves.append(torch.device(e["device"]))
+        elif "memory_format" in e:
+            leaves.append(getattr(torch, e["memory_format"]))
+        elif "layout" in e:
+            leaves.append(getattr(torch, e["layout"]))
+        elif "float" in e:
+            leaves.append(float(e["float"]))
+        else:
+            leaves.append(e["value"])
+    args, kwargs = tree_unflatten(leaves, treespec_loads(meta["spec"]))
+    return func, tuple(args), dict(kwargs), int(meta["random_index"]), ordered

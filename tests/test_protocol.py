@@ -110,7 +110,15 @@ def test_a_prover_that_lies_over_http_loses(runs, tmp_path, lie, why):
     assert v["verdict"] == "trainer_wrong" and any(why in r for r in v["reasons"]), v
 
 
-def test_an_unreachable_or_refusing_prover_loses(runs):
+class SlowProver(LocalProver):
+    def manifest(self):
+        import time
+
+        time.sleep(3)
+        return super().manifest()
+
+
+def test_an_unreachable_refusing_or_slow_prover_loses(runs):
     honest, _, audits = runs
     audit_state = json.loads((audits["honest"][2] / "audit.json").read_text())
     with pytest.raises(ProverError, match="cannot reach"):
@@ -156,3 +164,15 @@ def test_an_auditor_with_a_wrong_leaf_is_ruled_wrong(runs):
     audit_state["leaves"]["1"] = "11" * 32
     v = Challenger(LocalProver(str(honest)), audit_state).play()
     assert v["verdict"] == "auditor_wrong" and v["interval"] == 1, v
+
+    server = make_server(SlowProver(str(honest)), "127.0.0.1", 0)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        p = cli("dispute", url, audits["honest"][2], "--json", "--timeout", "0.5")
+    finally:
+        server.shutdown()
+        server.server_close()
+    v = json.loads(p.stdout)
+    assert p.returncode == 1 and v["verdict"] == "trainer_wrong" and "timed out" in v["reasons"][0], v

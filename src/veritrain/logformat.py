@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
+from .store import fsync_dir
+
 MAGIC = b"VTRLOG1\n"
 _H, _N, _O, _E = b"H", b"N", b"O", b"E"
 MAX_NDIM = 64
@@ -206,7 +208,7 @@ class StepLogWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self.tmp, self.path)
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         with open(self.path, "rb") as f:
             data = f.read()
         return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
@@ -217,19 +219,6 @@ class StepLogWriter:
         finally:
             if os.path.exists(self.tmp):
                 os.remove(self.tmp)
-
-
-def _fsync_dir(d: str):
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --- reader ---------------------------------------------------------------------------------------

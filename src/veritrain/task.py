@@ -18,6 +18,8 @@ import torch
 BUILTIN_TASKS = {
     "digits-cnn": "veritrain.tasks.digits_cnn:make_task",
     "gpt2-text": "veritrain.tasks.gpt2_text:make_task",
+    "resnet-cifar10": "veritrain.tasks.resnet_cifar10:make_task",
+    "gpt2-shakespeare": "veritrain.tasks.gpt2_shakespeare:make_task",
 }
 
 

@@ -71,8 +71,11 @@ class CompareProbe:
         self.folder = folder
         self.step = None
         self.classes = defaultdict(lambda: {"elements": 0, "differing": 0, "max_ratio": 0.0, "exact_violations": 0,
-                                            "log2_ratio_histogram": defaultdict(int)})
-        self.ops = defaultdict(lambda: {"elements": 0, "differing": 0, "max_ratio": 0.0})
+                                            "log2_ratio_histogram": defaultdict(int), "rounding_disagreements": 0,
+                                            "needed": []})
+        self.ops = defaultdict(lambda: {"elements": 0, "differing": 0, "max_ratio": 0.0, "rounding_disagreements": 0,
+                                        "needed": []})
+        self.grid = None
 
     def _load(self, step):
         self.step = step
@@ -100,6 +103,19 @@ class CompareProbe:
         finite = ratio[torch.isfinite(ratio) & differing]
         c = self.classes[op_class]
         o = self.ops[name]
+        # elements this machine rounds to another grid point than the reference: the threshold each
+        # would have needed, |y_ref - midpoint| / (u s) (the data of the paper's Algorithm 3)
+        from .rounding import Grid
+
+        self.grid = self.grid or Grid(int(os.environ.get("VERITRAIN_CALIBRATE_BITS", "32")))
+        r_ref, r_var = self.grid.round(ref), self.grid.round(y)
+        flip = (r_ref.view(torch.int32) != r_var.view(torch.int32)) & differing
+        if bool(flip.any()):
+            mid = (r_ref[flip].double() + r_var[flip].double()) / 2
+            needed = ((ref[flip] - mid).abs() / (UNIT_ROUNDOFF * s[flip])).tolist()
+            for d in (c, o):
+                d["rounding_disagreements"] += len(needed)
+                d["needed"] = sorted(d["needed"] + needed)[-1000:]
         nd = int(differing.sum())
         mx = float(finite.max()) if finite.numel() else 0.0
         for d in (c, o):
@@ -120,6 +136,24 @@ class CompareProbe:
         return {"classes": classes, "ops": {k: dict(v) for k, v in sorted(self.ops.items())}}
 
 
+def algorithm3(needed: list, lo: int = -40, hi: int = 40) -> float | None:
+    """The paper's Algorithm 3: binary search over the threshold's exponent k for the smallest 2**k that
+    still covers every observed rounding disagreement (each needs |y_ref - midpoint| < 2**k u s).
+    Here the disagreements are the ones calibration observed; None when there were none."""
+    if not needed:
+        return None
+    covers = lambda k: all(v < 2.0**k for v in needed)  # noqa: E731 - monotone in k
+    if not covers(hi):
+        return math.inf
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if covers(mid):
+            hi = mid
+        else:
+            lo = mid
+    return 2.0**hi
+
+
 def recommend(reports: dict, defaults: dict, safety: float = SAFETY) -> dict:
     """Per class: the largest ratio any variant showed, and the threshold c = safety * that. Variants
     whose replay was rejected are left out: once a replay diverges (different data, a missed
@@ -129,9 +163,11 @@ def recommend(reports: dict, defaults: dict, safety: float = SAFETY) -> dict:
     for cls, default in defaults.items():
         worst = max((r["classes"].get(cls, {}).get("max_ratio", 0.0) for r in reports.values()), default=0.0)
         violations = sum(r["classes"].get(cls, {}).get("exact_violations", 0) for r in reports.values())
+        needed = [v for r in reports.values() for v in r["classes"].get(cls, {}).get("needed", [])]
         out[cls] = {"max_ratio": worst, "recommended": max(1.0, math.ceil(safety * worst)),
                     "default": default, "margin_of_default": (default / worst) if worst else math.inf,
-                    "exact_violations": violations}
+                    "exact_violations": violations, "rounding_disagreements": len(needed),
+                    "algorithm3": algorithm3(needed)}
     return out
 
 
@@ -149,7 +185,7 @@ def calibrate(task: str, config: dict, steps: int, variants: list, out_dir: str,
     for v in variants:
         path = os.path.join(out_dir, f"variant-{v}.json")
         rc = subprocess.call([sys.executable, "-m", "veritrain.cli", "_compare", run_dir, probe_dir, "--out", path,
-                              "--variant", v])
+                              "--variant", v], env={**os.environ, "VERITRAIN_CALIBRATE_BITS": str(bits)})
         if rc not in (0, 1):
             raise RuntimeError(f"calibration replay under variant {v} failed (exit {rc})")
         with open(path) as f:
@@ -157,6 +193,12 @@ def calibrate(task: str, config: dict, steps: int, variants: list, out_dir: str,
     result = {"task": task, "config": config, "steps": steps, "bits": bits, "variants": variants,
               "safety": SAFETY, "per_class": recommend(reports, DEFAULT_THRESHOLDS), "reports": reports}
     result["thresholds"] = {k: v["recommended"] for k, v in result["per_class"].items()}
+    per_op = defaultdict(list)
+    for r in reports.values():
+        if r.get("accepted"):
+            for op, d in r.get("ops", {}).items():
+                per_op[op] += d.get("needed", [])
+    result["algorithm3_per_op"] = {op: algorithm3(v) for op, v in sorted(per_op.items()) if v}
     with open(os.path.join(out_dir, "calibration.json"), "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
     return result

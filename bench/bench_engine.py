@@ -4,9 +4,8 @@
     python bench/bench_engine.py                      # GPT-2 117M (batch 8 x 64) and ResNet-18 (batch 32)
     python bench/bench_engine.py --workloads resnet18 --steps 3 --no-write
 
-Each step index runs once in every mode; the order of the modes rotates from step to step (the auditor
-always after the trainer, whose log it replays) and the first step (compilation, allocator warm-up) is
-not counted. Ratios are per step (mode time / plain float64 time of the same step), then the median.
+The measurement is veritrain.experiments.timecost.measure (the `time` experiment's): every step index
+runs in every mode, in rotated order, the first step not counted; ratios are per-step, then the median.
 Writes bench/RESULTS.md unless --no-write.
 """
 
@@ -15,9 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,13 +24,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from veritrain import hardware  # noqa: E402
-from veritrain.engine import EngineConfig, step_context  # noqa: E402
-from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
-from veritrain.rounding import Grid  # noqa: E402
-from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
-from veritrain.task import build  # noqa: E402
-
-DENSE_BITS_PER_VALUE = 1.6  # the paper's packed encoding: 5 rounding decisions (3 states) per byte
+from veritrain.experiments.timecost import measure  # noqa: E402
 
 WORKLOADS = {
     "gpt2-117m": ("gpt2-text", lambda shared: {
@@ -43,9 +34,6 @@ WORKLOADS = {
     "resnet18": ("resnet_task:make_task", lambda shared: {"width": 64, "batch_size": 32},
                  "ResNet-18 (CIFAR variant), batch 32 x 3x32x32, SGD momentum 0.9, weight decay 5e-4"),
 }
-MODES = ("fp32", "fp64", "trainer", "auditor")
-ORDERS = [("fp32", "fp64", "trainer", "auditor"), ("fp64", "trainer", "auditor", "fp32"),
-          ("trainer", "auditor", "fp32", "fp64"), ("trainer", "fp32", "auditor", "fp64")]
 
 
 def machine() -> str:
@@ -59,59 +47,10 @@ def machine() -> str:
             f"{torch.backends.cpu.get_cpu_capability()}), Python {platform.python_version()}")
 
 
-def bench(name: str, steps: int, shared: str, log_dir: str) -> dict:
+def bench(name: str, steps: int, shared: str) -> dict:
     task_ref, make_config, description = WORKLOADS[name]
-    config = make_config(shared)
-    grid = Grid(32)
-    engine = EngineConfig()
-    tasks = {}
-    for mode in MODES:
-        t = build(task_ref, config)
-        _prepare_model(t, "fp64" if mode == "fp64" else "fp32", grid)
-        tasks[mode] = t
-    times = {m: [] for m in MODES}
-    logs = []
-    for step in range(steps + 1):
-        order = ORDERS[step % len(ORDERS)]
-        for mode in order:
-            task = tasks[mode]
-            batch = _prepare_batch(task.batch(step), "fp64" if mode == "fp64" else "fp32", grid)
-            path = os.path.join(log_dir, f"{name}-{step}.vtlog")
-            t0 = time.perf_counter()
-            if mode in ("fp32", "fp64"):
-                task.run_step(batch)  # plain PyTorch, no dispatch mode: what the user would run anyway
-            elif mode == "trainer":
-                writer = StepLogWriter(path, step, 32)
-                with step_context(engine, step, writer=writer) as st:
-                    task.run_step(batch)
-                info = writer.close()
-            else:
-                reader = StepLogReader(path, expect_step=step, expect_bits=32)
-                with step_context(engine, step, reader=reader) as audit_st:
-                    task.run_step(batch)
-                reader.close()
-            elapsed = time.perf_counter() - t0
-            if step > 0:
-                times[mode].append(elapsed)
-            if mode == "trainer":
-                trainer_stats = st.stats
-            if mode == "auditor":
-                logs.append({"bytes": info["bytes"], "rounded": trainer_stats.rounded_total,
-                             "entries": trainer_stats.entries_total,
-                             "corrections": audit_st.stats.corrections_total,
-                             "suspicious": audit_st.stats.suspicious_count})
-        print(f"  {name} step {step}: " + ", ".join(f"{m} {times[m][-1]:.2f}s" for m in MODES if step > 0 and times[m])
-              + f"; log {logs[-1]['bytes']} B, {logs[-1]['entries']} entries", flush=True)
-    ratio = {m: statistics.median(t / f for t, f in zip(times[m], times["fp64"])) for m in MODES}
-    counted = logs[1:]
-    rounded = statistics.median(x["rounded"] for x in counted)
-    log_bytes = statistics.median(x["bytes"] for x in counted)
-    dense = rounded * DENSE_BITS_PER_VALUE / 8
-    return {"name": name, "description": description, "steps": steps, "ratio": ratio,
-            "median_s": {m: statistics.median(times[m]) for m in MODES}, "rounded": rounded,
-            "log_bytes": log_bytes, "entries": statistics.median(x["entries"] for x in counted),
-            "dense_bytes": dense, "log_fraction": log_bytes / dense,
-            "corrections": sum(x["corrections"] for x in logs), "suspicious": sum(x["suspicious"] for x in logs)}
+    r = measure(task_ref, make_config(shared), steps, progress=lambda line: print(f"  {name}{line}", flush=True))
+    return {"name": name, "description": description, **r}
 
 
 def markdown(results: list, command: str) -> str:
@@ -163,10 +102,9 @@ def main(argv=None):
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
     results = []
-    with tempfile.TemporaryDirectory() as d:
-        for w in names:
-            print(f"{w}:", flush=True)
-            results.append(bench(w, args.steps, args.shared, d))
+    for w in names:
+        print(f"{w}:", flush=True)
+        results.append(bench(w, args.steps, args.shared))
     text = markdown(results, "python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(text)
     if not args.no_write:

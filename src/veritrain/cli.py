@@ -1,4 +1,5 @@
-"""Command line: ``veritrain train | audit | verify | inspect | serve | dispute | demo | calibrate | variants``.
+"""Command line: ``veritrain train | audit | eval | verify | inspect | serve | dispute | demo | calibrate |
+experiment | report | variants``.
 
 Exit codes: 0 accepted / done, 1 rejected, 2 bad input or usage.
 """
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a task, writing checkpoints, rounding logs and a manifest")
-    t.add_argument("task", help="built-in task (digits-cnn, gpt2-text) or module:function")
+    t.add_argument("task", help="built-in task (digits-cnn, gpt2-text, resnet-cifar10, gpt2-shakespeare) or module:function")
     t.add_argument("--out", required=True, help="new run directory")
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--checkpoint-every", type=int, default=10)
@@ -58,6 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the auditor's hardware variant")
 
     sub.add_parser("variants", help="list the emulated hardware variants")
+
+    e = sub.add_parser("eval", help="the task's held-out metric (accuracy / perplexity) for a run's checkpoint")
+    e.add_argument("run_dir")
+    e.add_argument("--step", type=int, help="the checkpoint after this many steps (default: the last)")
+    e.add_argument("--json", action="store_true")
+
+    x = sub.add_parser("experiment", help="run one of the paper's experiments (table CSV + Markdown, plot PNG)")
+    from .experiments import add_arguments
+
+    add_arguments(x)
+    rp = sub.add_parser("report", help="assemble the experiments in DIR into DIR/report.md")
+    rp.add_argument("dir")
+
+    rpl = sub.add_parser("_replay")  # internal: continuous replay for the divergence experiment
+    rpl.add_argument("run_dir")
+    rpl.add_argument("--out", required=True)
+    _variant_arg(rpl)
 
     v = sub.add_parser("verify", help="check every file of a run against its manifest and root (no replay)")
     v.add_argument("run_dir")
@@ -103,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     variant = getattr(args, "variant", None)
-    if args.command in ("train", "audit", "_compare") and variant and os.environ.get(hardware.APPLIED) != variant:
+    if args.command in ("train", "audit", "_compare", "_replay") and variant and os.environ.get(hardware.APPLIED) != variant:
         return hardware.run_in_variant(variant, argv)
     try:
         import torch  # noqa: F401
@@ -144,6 +162,30 @@ def _dispatch(args) -> int:
         return _compare(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "eval":
+        from .runner import evaluate_run
+
+        r = evaluate_run(args.run_dir, args.step)
+        print(json.dumps(r, indent=1, sort_keys=True) if args.json else
+              f"{r['task']} after {r['step']} steps: " + ", ".join(
+                  f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                  if k not in ("task", "step", "state_sha256")))
+        return 0
+    if args.command == "_replay":
+        from .experiments.divergence import replay_distances
+
+        with open(args.out, "w") as f:
+            json.dump(replay_distances(args.run_dir), f)
+        return 0
+    if args.command == "experiment":
+        from .experiments import run_experiment
+
+        return run_experiment(args)
+    if args.command == "report":
+        from .experiments.report import write_report
+
+        print(write_report(args.dir))
+        return 0
     if args.command == "inspect":
         return _inspect(args)
     if args.command == "serve":

@@ -180,6 +180,7 @@ def train(opts: TrainOptions, probe=None) -> dict:
     for s in range(first_of_interval, start):  # a resumed run restarts at an interval boundary
         record_hashes.append(file_sha256(path(record_name(s))))
     bar = _progress(steps, "train", opts.progress, initial=start)
+    t_loop = time.perf_counter()
     for step in range(start, steps):
         writer = StepLogWriter(path(log_name(step)), step, bits) if mode == "verified" else None
         try:
@@ -208,6 +209,7 @@ def train(opts: TrainOptions, probe=None) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
     bar.close()
+    m["train_seconds"] = m.get("train_seconds", 0.0) + (time.perf_counter() - t_loop)  # not committed: informational
     m["steps_completed"] = steps
     m["root"] = store.tree_of([bytes.fromhex(x) for x in m["leaves"]]).root().hex()
     m["complete"] = True
@@ -481,3 +483,30 @@ def _trainer_record(run_dir: str, step: int) -> dict | None:
         return rec if isinstance(rec, dict) else None
     except (OSError, ValueError):
         return None
+
+
+def evaluate_run(run_dir: str, step: int | None = None) -> dict:
+    """The task's held-out metric for a run's checkpoint (the last one by default)."""
+    import copy
+
+    m = load_manifest(run_dir)
+    ck = m["checkpoints"][-1] if step is None else next((c for c in m["checkpoints"] if c["step"] == step), None)
+    if ck is None:
+        raise RunError(f"{run_dir} has no checkpoint after step {step}; it has "
+                       f"{[c['step'] for c in m['checkpoints']]}")
+    try:
+        task = build(m["task"], m["config"])
+    except TaskError as e:
+        raise RunError(f"cannot rebuild the run's task: {e}") from None
+    if task.evaluate is None:
+        raise RunError(f"task {m['task']} defines no evaluation")
+    if m["mode"] == "fp64":
+        task.model.double()
+    try:
+        _, h = load_checkpoint(os.path.join(run_dir, ck["file"]), task.model, task.optimizer, task.scheduler)
+    except CheckpointError as e:
+        raise RunError(str(e)) from None
+    if h != ck["state_sha256"]:
+        raise RunError(f"{ck['file']} does not hold the committed state")
+    model = copy.deepcopy(task.model).float() if m["mode"] == "fp64" else task.model
+    return {"task": m["task"], "step": ck["step"], "state_sha256": h, **task.evaluate(model)}

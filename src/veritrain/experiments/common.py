@@ -1,0 +1,131 @@
+"""What every experiment shares: the two workloads at default (small) sizes, running veritrain commands as
+separate processes under hardware variants, and writing a table (CSV + Markdown) and a plot (PNG)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+from ..task import TaskError
+
+PAPER = "Srivastava, Arora, Boneh, Optimistic Verifiable Training by Controlling Hardware Nondeterminism (NeurIPS 2024)"
+
+
+def workloads(args) -> dict:
+    """name -> (task, config) at the sizes this 2-core machine finishes in minutes; --set NAME.KEY=VALUE scales."""
+    out = {}
+    names = [w for w in args.workloads.split(",") if w]
+    for w in names:
+        if w == "resnet":
+            out[w] = ("resnet-cifar10", {"data": args.data, "arch": "resnet18", "width": 8, "batch_size": 16,
+                                         "train_examples": 512, "eval_examples": 297})
+        elif w == "gpt2":
+            if not args.corpus or not args.tokenizer:
+                raise TaskError("the gpt2 workload needs --corpus and --tokenizer (e.g. ../shared/data/shakespeare.txt "
+                                "and ../shared/data/gpt2-tokenizer), or --workloads resnet")
+            out[w] = ("gpt2-shakespeare", {"corpus": os.path.abspath(args.corpus),
+                                           "tokenizer": os.path.abspath(args.tokenizer), "n_layer": 2, "n_embd": 128,
+                                           "n_head": 4, "batch_size": 8, "seq_len": 64, "max_chars": 200000,
+                                           "lr": 1e-3, "schedule_steps": max(args.steps, 1)})
+        else:
+            raise TaskError(f"unknown workload {w!r}; known: resnet, gpt2")
+    for item in args.set:
+        key, _, value = item.partition("=")
+        w, _, k = key.partition(".")
+        if w not in out or not k or not _:
+            raise TaskError(f"--set {item!r}: expected WORKLOAD.KEY=VALUE with WORKLOAD in {sorted(out)}")
+        out[w][1][k] = _parse(value)
+    return out
+
+
+def _parse(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def sets(config: dict) -> list[str]:
+    return [a for k, v in config.items() for a in ("--set", f"{k}={v}")]
+
+
+def veritrain(*args, variant: str | None = None, ok=(0,), capture_json: bool = False, env=None):
+    """Run a veritrain command in its own process (under a hardware variant); returns (rc, stdout, seconds)."""
+    cmd = [sys.executable, "-m", "veritrain.cli", *map(str, args)]
+    if variant:
+        cmd += ["--variant", variant]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    dt = time.perf_counter() - t0
+    if p.returncode not in ok:
+        raise RuntimeError(f"`veritrain {' '.join(map(str, args))}` exited {p.returncode}:\n{p.stderr[-2000:]}")
+    return p.returncode, (json.loads(p.stdout) if capture_json else p.stdout), dt
+
+
+def train(out: str, task: str, config: dict, steps: int, every: int = 1, mode: str = "verified", bits: int = 32,
+          seed: int = 0, variant: str | None = None) -> float:
+    _, _, dt = veritrain("train", task, "--out", out, "--steps", steps, "--checkpoint-every", every, "--mode", mode,
+                         "--bits", bits, "--seed", seed, "--quiet", *sets(config), variant=variant)
+    return dt
+
+
+class Output:
+    """DIR/NAME/: NAME.csv, NAME.md, NAME.png and settings.json."""
+
+    def __init__(self, root: str, name: str, settings: dict):
+        self.dir = os.path.join(root, name)
+        self.name = name
+        os.makedirs(self.dir, exist_ok=True)
+        self.settings = settings
+        with open(os.path.join(self.dir, "settings.json"), "w") as f:
+            json.dump(settings, f, indent=1, sort_keys=True, default=str)
+
+    def path(self, suffix: str) -> str:
+        return os.path.join(self.dir, f"{self.name}{suffix}")
+
+    def table(self, rows: list[dict], columns: list[str]):
+        with open(self.path(".csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+
+    def markdown(self, title: str, text: str, rows: list[dict], columns: list[str], fmt=None):
+        fmt = fmt or {}
+        lines = [f"## {title}", "", text.strip(), "",
+                 "Settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(self.settings.items())
+                                         if k not in ("configs",)), "",
+                 "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+        for r in rows:
+            lines.append("| " + " | ".join(_cell(r.get(c), fmt.get(c)) for c in columns) + " |")
+        lines += ["", f"![{self.name}]({self.name}.png)", ""]
+        with open(self.path(".md"), "w") as f:
+            f.write("\n".join(lines))
+
+    def figure(self):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+
+    def save_figure(self, plt):
+        plt.tight_layout()
+        plt.savefig(self.path(".png"), dpi=110)
+        plt.close("all")
+
+
+def _cell(v, fmt):
+    if v is None:
+        return ""
+    if fmt and isinstance(v, (int, float)):
+        return format(v, fmt)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

@@ -108,8 +108,12 @@ def main(argv=None):
     text = markdown(results, "python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(text)
     if not args.no_write:
+        # keep the experiments' section (bench/run_experiments.py) that follows ours
+        old = open(args.out).read() if os.path.exists(args.out) else ""
+        marker = "<!-- experiments:"
+        keep = old[old.index(marker):] if marker in old else ""
         with open(args.out, "w") as f:
-            f.write(text)
+            f.write(text + ("\n" + keep if keep else ""))
 
 
 if __name__ == "__main__":

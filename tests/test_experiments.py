@@ -77,3 +77,8 @@ def test_unknown_experiment_and_missing_corpus_are_bad_input(tmp_path):
     assert cli("experiment", "nope", "--out", tmp_path).returncode == 2
     p = cli("experiment", "storage", "--out", tmp_path, "--workloads", "gpt2")
     assert p.returncode == 2 and "--corpus" in p.stderr
+    (tmp_path / "storage").mkdir()
+    (tmp_path / "storage" / "keep.txt").write_text("earlier results")
+    p = cli("experiment", "storage", "--out", tmp_path, "--workloads", "resnet")
+    assert p.returncode == 2 and "already exists" in p.stderr
+    assert (tmp_path / "storage" / "keep.txt").read_text() == "earlier results"

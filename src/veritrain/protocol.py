@@ -20,6 +20,7 @@ import json
 import os
 import tempfile
 import time
+import typing
 
 import torch
 
@@ -157,8 +158,9 @@ def _module_hooks(trace: OpTrace, names: dict):
 # --- the prover --------------------------------------------------------------------------------
 
 
-class Prover:
-    """What the challenger may ask the trainer's side. Bytes are raw files; hashes are hex."""
+class Prover(typing.Protocol):
+    """What the challenger may ask the trainer's side (implemented by LocalProver and HttpProver).
+    Bytes are raw files; hashes are hex; a failure to answer raises ProverError."""
 
     def manifest(self) -> dict: ...
     def node(self, lo: int, hi: int) -> bytes: ...

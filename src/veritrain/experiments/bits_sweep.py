@@ -18,7 +18,7 @@ def run(args) -> Output:
     rows = []
     for w, (task, config) in loads.items():
         for b in bits_list:
-            run_dir = os.path.join(out.dir, f"{w}-b{b}")
+            run_dir = out.run_path(f"{w}-b{b}")
             train(run_dir, task, config, args.steps, every=args.steps, bits=b)
             _, ev, _ = veritrain("eval", run_dir, "--json", capture_json=True)
             with open(os.path.join(run_dir, "manifest.json")) as f:

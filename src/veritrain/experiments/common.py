@@ -81,10 +81,17 @@ class Output:
     def __init__(self, root: str, name: str, settings: dict):
         self.dir = os.path.join(root, name)
         self.name = name
+        if os.path.exists(self.dir) and os.listdir(self.dir):
+            raise ValueError(f"{self.dir} already exists; choose another --out or move it away (nothing was "
+                             f"overwritten)")
         os.makedirs(self.dir, exist_ok=True)
         self.settings = settings
         with open(os.path.join(self.dir, "settings.json"), "w") as f:
             json.dump(settings, f, indent=1, sort_keys=True, default=str)
+
+    def run_path(self, name: str) -> str:
+        """Where the experiment's own runs go (DIR/NAME/runs/: large, not part of the report)."""
+        return os.path.join(self.dir, "runs", name)
 
     def path(self, suffix: str) -> str:
         return os.path.join(self.dir, f"{self.name}{suffix}")

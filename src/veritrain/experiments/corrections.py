@@ -21,8 +21,8 @@ def run(args) -> Output:
     rows = []
     for w, (task, config) in loads.items():
         for b in bits_list:
-            run_dir = os.path.join(out.dir, f"{w}-b{b}")
-            audit_dir = os.path.join(out.dir, f"{w}-b{b}-audit")
+            run_dir = out.run_path(f"{w}-b{b}")
+            audit_dir = out.run_path(f"{w}-b{b}-audit")
             train(run_dir, task, config, args.steps, every=1, bits=b)
             veritrain("audit", run_dir, "--out", audit_dir, "--quiet", variant=args.variant)
             with open(os.path.join(audit_dir, "audit.json")) as f:

@@ -47,9 +47,9 @@ def run(args) -> Output:
                                           "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
     rows = []
     for w, (task, config) in loads.items():
-        base = os.path.join(out.dir, f"{w}-fp32")
-        other_hw = os.path.join(out.dir, f"{w}-fp32-{args.variant}")
-        other_order = os.path.join(out.dir, f"{w}-fp32-data-seed-1")
+        base = out.run_path(f"{w}-fp32")
+        other_hw = out.run_path(f"{w}-fp32-{args.variant}")
+        other_order = out.run_path(f"{w}-fp32-data-seed-1")
         train(base, task, config, args.steps, every=args.steps, mode="fp32")
         train(other_hw, task, config, args.steps, every=args.steps, mode="fp32", variant=args.variant)
         train(other_order, task, {**config, "data_seed": 1}, args.steps, every=args.steps, mode="fp32")

@@ -52,9 +52,9 @@ def run(args) -> Output:
     rows = []
     for w, (task, config) in loads.items():
         for mode, label in MODES:
-            run_dir = os.path.join(out.dir, f"{w}-{mode}")
+            run_dir = out.run_path(f"{w}-{mode}")
             train(run_dir, task, config, args.steps, every=1, mode=mode)
-            result = os.path.join(out.dir, f"{w}-{mode}-auditor.json")
+            result = out.run_path(f"{w}-{mode}-auditor.json")
             veritrain("_replay", run_dir, "--out", result, variant=args.variant)
             with open(result) as f:
                 dist = json.load(f)

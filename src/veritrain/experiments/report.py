@@ -67,6 +67,18 @@ def write_report(root: str) -> str:
                 text = f.read().replace(f"]({name}.png)", f"]({name}/{name}.png)")
             parts += [text, ""]
             found.append(name)
+    # further runs at other sizes, each in a folder of its own (e.g. gpt2-117m/storage/)
+    for sub in sorted(os.listdir(root)):
+        folder = os.path.join(root, sub)
+        if sub in EXPERIMENTS or not os.path.isdir(folder):
+            continue
+        extra = [n for n in EXPERIMENTS if os.path.exists(os.path.join(folder, n, f"{n}.md"))]
+        if extra:
+            parts += [f"# Further runs: {sub}", ""]
+            for name in extra:
+                with open(os.path.join(folder, name, f"{name}.md")) as f:
+                    text = f.read().replace(f"]({name}.png)", f"]({sub}/{name}/{name}.png)")
+                parts += [text.replace("\n## ", "\n### ").replace("## ", "### ", 1), ""]
     missing = [n for n in EXPERIMENTS if n not in found]
     if missing:
         parts += [f"Not run: {', '.join(missing)}.", ""]

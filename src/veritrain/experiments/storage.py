@@ -87,7 +87,7 @@ def run(args) -> Output:
     rows = []
     for w, (task, config) in loads.items():
         for b in bits_list:
-            run_dir = os.path.join(out.dir, f"{w}-b{b}")
+            run_dir = out.run_path(f"{w}-b{b}")
             train(run_dir, task, config, args.steps, every=args.steps, bits=b)
             per = [step_sizes(run_dir, s, b) for s in range(args.steps)]
             row = {"workload": w, "bits": b}

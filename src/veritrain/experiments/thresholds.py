@@ -21,7 +21,7 @@ def run(args) -> Output:
                                           "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
     rows = []
     for w, (task, config) in loads.items():
-        cal_dir = os.path.join(out.dir, f"{w}-calibration")
+        cal_dir = out.run_path(f"{w}-calibration")
         veritrain("calibrate", task, "--out", cal_dir, "--steps", steps, "--variants", variants, "--quiet",
                   *sets(config), ok=(0, 1))
         with open(os.path.join(cal_dir, "calibration.json")) as f:

@@ -38,6 +38,10 @@ def _ours(root: str) -> dict:
     s = _rows(os.path.join(root, "storage", "storage.csv"))
     c = _rows(os.path.join(root, "corrections", "corrections.csv"))
     t = _rows(os.path.join(root, "time", "time.csv"))
+    for sub in sorted(os.listdir(root)):  # runs at other sizes (e.g. gpt2-117m/), labelled by their folder
+        if sub not in EXPERIMENTS and os.path.isdir(os.path.join(root, sub)):
+            s += [{**r, "workload": f"{r['workload']} ({sub})"} for r in _rows(os.path.join(root, sub, "storage", "storage.csv"))]
+            t += [{**r, "workload": f"{r['workload']} ({sub})"} for r in _rows(os.path.join(root, sub, "time", "time.csv"))]
     out = {}
     b32 = [r for r in s if r["bits"] == "32"]
     out["log"] = "; ".join(f"{r['workload']}: {float(r['veritrain_bytes']) / 1e3:.1f} KB" for r in b32) or "(not run)"

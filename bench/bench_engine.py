@@ -15,7 +15,6 @@ import argparse
 import os
 import platform
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -1067,8 +1067,6 @@ def load_call(data: bytes):
     from torch.utils._pytree import treespec_loads
 
     tensors = load(data)
-    from safetensors import safe_open  # noqa: F401 - metadata via the header below
-
     n = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + n]).get("__metadata__", {})
     ns, name, overload = meta["func"].split(".")

@@ -26,12 +26,12 @@ import torch
 
 from . import store
 from .checkpoint import CheckpointError, hash_state, load_checkpoint
-from .commitments import batch_hash, canonical_json
-from .engine import EngineConfig, OpTrace, ReplayMismatchError, VeritrainError, load_call, step_context
+from .commitments import batch_hash
+from .engine import EngineConfig, OpTrace, VeritrainError, load_call, step_context
 from .logformat import LogFormatError, StepLogReader
 from .merkle import children, leaf_hash, node_hash, verify_inclusion
 from .rounding import Grid
-from .task import TaskError, build, source_hash
+from .task import TaskError, build
 
 
 class ProverError(VeritrainError):

@@ -587,7 +587,7 @@ def _group_norm(call):
 def _group_norm_backward(call):
     go, x, mean, rstd, w = (call.arg("grad_out"), call.arg("input"), call.arg("mean"), call.arg("rstd"),
                             call.arg("weight"))
-    N, C, HxW, G = call.arg("N"), call.arg("C"), call.arg("HxW"), call.arg("group")
+    N, C, G = call.arg("N"), call.arg("C"), call.arg("group")
     shape_c = (1, C) + (1,) * (x.dim() - 2)
     g = go if w is None else go * w.view(shape_c)
     xg, gg = x.reshape(N, G, -1), g.reshape(N, G, -1)

@@ -3,18 +3,15 @@ model's values on a grid of b mantissa bits; b = 32 is float32)."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 
-from .common import Output, train, veritrain, workloads
+from .common import read_table, start, Output, train, veritrain
 
 
 def run(args) -> Output:
-    loads = workloads(args)
     bits_list = [int(b) for b in args.bits.split(",")] if args.bits else [32, 30, 28, 26, 24]
-    out = Output(args.out, "rounding", {"steps": args.steps, "bits": bits_list,
-                                        "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
+    loads, out = start(args, "rounding", bits=bits_list)
     rows = []
     for w, (task, config) in loads.items():
         for b in bits_list:
@@ -51,7 +48,6 @@ def run(args) -> Output:
 
 
 def check(out_dir: str) -> list[str]:
-    with open(os.path.join(out_dir, "rounding", "rounding.csv")) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_table(out_dir, "rounding")
     return [f"{r['workload']} b={r['bits']}: no finite loss" for r in rows
             if not r["loss"] or not float(r["loss"]) < float("inf")]

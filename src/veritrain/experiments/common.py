@@ -42,6 +42,19 @@ def workloads(args) -> dict:
     return out
 
 
+def start(args, name: str, **settings) -> tuple[dict, "Output"]:
+    """The workloads and the output folder of one experiment, with its settings written down."""
+    loads = workloads(args)
+    out = Output(args.out, name, {"steps": args.steps, **settings,
+                                  "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
+    return loads, out
+
+
+def read_table(out_dir: str, name: str) -> list[dict]:
+    with open(os.path.join(out_dir, name, f"{name}.csv")) as f:
+        return list(csv.DictReader(f))
+
+
 def _parse(v: str):
     for cast in (int, float):
         try:

@@ -4,20 +4,17 @@ rounding amount b."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 
-from .common import Output, train, veritrain, workloads
+from .common import read_table, start, Output, train, veritrain
 
 PHASES = ("forward", "backward", "optimizer")
 
 
 def run(args) -> Output:
-    loads = workloads(args)
     bits_list = [int(b) for b in args.bits.split(",")] if args.bits else [32, 31, 30, 28, 27, 26]
-    out = Output(args.out, "corrections", {"steps": args.steps, "bits": bits_list, "auditor_variant": args.variant,
-                                           "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
+    loads, out = start(args, "corrections", bits=bits_list, auditor_variant=args.variant)
     rows = []
     for w, (task, config) in loads.items():
         for b in bits_list:
@@ -56,8 +53,7 @@ def run(args) -> Output:
 
 
 def check(out_dir: str) -> list[str]:
-    with open(os.path.join(out_dir, "corrections", "corrections.csv")) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_table(out_dir, "corrections")
     problems = []
     for r in rows:
         if int(r["total"]) < 0 or float(r["total"]) != int(r["total"]):

@@ -4,13 +4,12 @@ held-out data."""
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 
 import torch
 
-from .common import Output, train, workloads
+from .common import read_table, start, Output, train
 
 
 def final_model(run_dir: str):
@@ -42,9 +41,7 @@ def _outputs(model, batch):
 
 
 def run(args) -> Output:
-    loads = workloads(args)
-    out = Output(args.out, "data-order", {"steps": args.steps, "hardware_variant": args.variant,
-                                          "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
+    loads, out = start(args, "data-order", hardware_variant=args.variant)
     rows = []
     for w, (task, config) in loads.items():
         base = out.run_path(f"{w}-fp32")
@@ -78,8 +75,7 @@ def run(args) -> Output:
 
 
 def check(out_dir: str) -> list[str]:
-    with open(os.path.join(out_dir, "data-order", "data-order.csv")) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_table(out_dir, "data-order")
     problems = []
     for w in {r["workload"] for r in rows}:
         hw = next(r for r in rows if r["workload"] == w and r["cause"].startswith("hardware"))

@@ -13,7 +13,7 @@ import os
 
 
 
-from .common import Output, train, veritrain, workloads
+from .common import read_table, start, Output, train, veritrain
 
 MODES = [("fp32", "plain float32"), ("nolog", "float64 + rounding, no log"), ("verified", "veritrain")]
 
@@ -46,9 +46,7 @@ def replay_distances(run_dir: str) -> list[float]:
 
 
 def run(args) -> Output:
-    loads = workloads(args)
-    out = Output(args.out, "divergence", {"steps": args.steps, "auditor_variant": args.variant,
-                                          "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
+    loads, out = start(args, "divergence", auditor_variant=args.variant)
     rows = []
     for w, (task, config) in loads.items():
         for mode, label in MODES:
@@ -90,10 +88,7 @@ def run(args) -> Output:
 
 def check(out_dir: str) -> list[str]:
     """Properties that must hold: veritrain's distance is exactly 0 everywhere; plain float32's is not."""
-    import csv
-
-    with open(os.path.join(out_dir, "divergence", "divergence.csv")) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_table(out_dir, "divergence")
     problems = []
     for w in {r["workload"] for r in rows}:
         v = [float(r["l2_distance"]) for r in rows if r["workload"] == w and r["mode"] == "verified"]

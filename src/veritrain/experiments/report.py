@@ -59,7 +59,7 @@ def _ours(root: str) -> dict:
 def write_report(root: str) -> str:
     if not os.path.isdir(root):
         raise ValueError(f"{root} is not a folder of experiments")
-    parts = [f"# veritrain: the paper's experiments, reproduced", "",
+    parts = ["# veritrain: the paper's experiments, reproduced", "",
              f"Paper: {PAPER}.", "", f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
              f"Python {platform.python_version()}.", "", "## Beside the paper", "",
              PAPER_NUMBERS.format(**_ours(root)), DIFFERENCES, ""]

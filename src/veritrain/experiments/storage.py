@@ -12,7 +12,6 @@ entry for it (direction up/down, or a value entry, counted as a decision)."""
 
 from __future__ import annotations
 
-import csv
 import os
 import zlib
 
@@ -20,7 +19,7 @@ import numpy as np
 
 from .. import store
 from ..logformat import StepLogReader
-from .common import Output, train, workloads
+from .common import read_table, start, Output, train
 
 POWERS = np.array([1, 3, 9, 27, 81], dtype=np.uint16)
 
@@ -80,10 +79,8 @@ def weight_bytes(run_dir: str) -> int:
 
 
 def run(args) -> Output:
-    loads = workloads(args)
     bits_list = [int(b) for b in args.bits.split(",")] if args.bits else [32, 30, 28, 26]
-    out = Output(args.out, "storage", {"steps": args.steps, "bits": bits_list,
-                                       "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
+    loads, out = start(args, "storage", bits=bits_list)
     rows = []
     for w, (task, config) in loads.items():
         for b in bits_list:
@@ -123,7 +120,6 @@ def run(args) -> Output:
 
 
 def check(out_dir: str) -> list[str]:
-    with open(os.path.join(out_dir, "storage", "storage.csv")) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_table(out_dir, "storage")
     return [f"{r['workload']} b={r['bits']}: ours {r['veritrain_bytes']} >= packed {r['packed_bytes']}"
             for r in rows if float(r["veritrain_bytes"]) >= float(r["packed_bytes"])]

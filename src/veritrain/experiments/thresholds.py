@@ -5,20 +5,17 @@ rounding disagreement), beside the engine's defaults."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
 
-from .common import Output, sets, veritrain, workloads
+from .common import read_table, start, Output, sets, veritrain
 
 
 def run(args) -> Output:
-    loads = workloads(args)
     variants = args.variants or "isa-default,isa-avx2,onednn-sse41,mkl-compatible,threads-1,no-mkldnn,combo"
     steps = args.steps
-    out = Output(args.out, "thresholds", {"steps": steps, "variants": variants,
-                                          "workloads": {k: v[0] for k, v in loads.items()}, "configs": loads})
+    loads, out = start(args, "thresholds", variants=variants)
     rows = []
     for w, (task, config) in loads.items():
         cal_dir = out.run_path(f"{w}-calibration")
@@ -57,8 +54,7 @@ def run(args) -> Output:
 
 
 def check(out_dir: str) -> list[str]:
-    with open(os.path.join(out_dir, "thresholds", "thresholds.csv")) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_table(out_dir, "thresholds")
     problems = [f"{r['workload']}/{r['op_class']}: exact ops differed" for r in rows if int(r["exact_violations"])]
     problems += [f"{r['workload']}/{r['op_class']}: measured ratio {r['max_ratio']} exceeds the default {r['default_c']}"
                  for r in rows if float(r["max_ratio"]) >= float(r["default_c"])]

@@ -7,13 +7,12 @@ Ratios are per step (mode time / plain float64 time of the same step), then the 
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import tempfile
 import time
 
-from .common import Output, workloads
+from .common import read_table, start, Output
 
 MODES = ("fp32", "fp64", "trainer", "auditor")
 ORDERS = [("fp32", "fp64", "trainer", "auditor"), ("fp64", "trainer", "auditor", "fp32"),
@@ -84,9 +83,7 @@ def run(args) -> Output:
     from .. import hardware
 
     hardware.apply_process_settings()
-    loads = workloads(args)
-    out = Output(args.out, "time", {"steps": args.steps, "workloads": {k: v[0] for k, v in loads.items()},
-                                    "configs": loads})
+    loads, out = start(args, "time")
     rows = []
     for w, (task, config) in loads.items():
         r = measure(task, config, max(args.steps, 2), progress=None)
@@ -117,7 +114,6 @@ def run(args) -> Output:
 
 
 def check(out_dir: str) -> list[str]:
-    with open(os.path.join(out_dir, "time", "time.csv")) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_table(out_dir, "time")
     return [f"{r['workload']}: non-positive ratio" for r in rows
             if min(float(r[k]) for k in ("fp32_over_fp64", "trainer_over_fp64", "auditor_over_fp64")) <= 0]

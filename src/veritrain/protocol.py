@@ -180,7 +180,7 @@ class LocalProver(Prover):
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self._manifest = store.load_manifest(run_dir)
-        self._leaves = store.leaves_of(run_dir, self._manifest)
+        self._leaves = [bytes.fromhex(x) for x in self._manifest.get("leaves", [])]  # what the root commits to
         self._tree = store.tree_of(self._leaves)
         self._replayer = None
         self._states: dict[int, str] = {}

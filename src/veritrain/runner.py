@@ -414,6 +414,12 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         if hashlib.sha256(raw_rec).hexdigest() != committed["records"][step - a]:
             out["reasons"].append(f"step {step}: {rp} is altered or truncated (its hash differs from leaf {i})")
             break
+        try:  # the committed record, read once: its log hash and batch hash are checked below
+            trainer_rec = json.loads(raw_rec)
+        except ValueError:
+            trainer_rec = None
+        if not isinstance(trainer_rec, dict):
+            trainer_rec = None
         if mode == "verified":
             lp = os.path.join(run_dir, log_name(step))
             try:
@@ -423,7 +429,6 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
                 out["reasons"].append(f"step {step}: cannot read rounding log {lp} ({e.strerror})")
                 break
             log_sha = hashlib.sha256(raw).hexdigest()
-            trainer_rec = _trainer_record(run_dir, step)
             if trainer_rec is not None and trainer_rec.get("log_sha256") != log_sha:
                 out["reasons"].append(f"step {step}: {lp} is not the log the trainer committed to "
                                       f"(altered, truncated or replaced)")
@@ -450,7 +455,6 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         out["suspicious_details"] += [d.__dict__ for d in st.stats.suspicious][: max(0, 50 - len(out["suspicious_details"]))]
         out["entries"] += st.stats.entries_total
         bh = batch_hash(batch)
-        trainer_rec = _trainer_record(run_dir, step)
         if trainer_rec is not None and trainer_rec.get("batch_sha256") != bh:
             out["reasons"].append(f"step {step}: the trainer's data record differs from what batch({step}) yields")
         indices = task.batch_indices(step) if task.batch_indices else None
@@ -474,39 +478,3 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         return out
     out["match"] = False
     return out
-
-
-def _trainer_record(run_dir: str, step: int) -> dict | None:
-    try:
-        with open(os.path.join(run_dir, record_name(step)), "rb") as f:
-            rec = json.loads(f.read(1 << 20))
-        return rec if isinstance(rec, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def evaluate_run(run_dir: str, step: int | None = None) -> dict:
-    """The task's held-out metric for a run's checkpoint (the last one by default)."""
-    import copy
-
-    m = load_manifest(run_dir)
-    ck = m["checkpoints"][-1] if step is None else next((c for c in m["checkpoints"] if c["step"] == step), None)
-    if ck is None:
-        raise RunError(f"{run_dir} has no checkpoint after step {step}; it has "
-                       f"{[c['step'] for c in m['checkpoints']]}")
-    try:
-        task = build(m["task"], m["config"])
-    except TaskError as e:
-        raise RunError(f"cannot rebuild the run's task: {e}") from None
-    if task.evaluate is None:
-        raise RunError(f"task {m['task']} defines no evaluation")
-    if m["mode"] == "fp64":
-        task.model.double()
-    try:
-        _, h = load_checkpoint(os.path.join(run_dir, ck["file"]), task.model, task.optimizer, task.scheduler)
-    except CheckpointError as e:
-        raise RunError(str(e)) from None
-    if h != ck["state_sha256"]:
-        raise RunError(f"{ck['file']} does not hold the committed state")
-    model = copy.deepcopy(task.model).float() if m["mode"] == "fp64" else task.model
-    return {"task": m["task"], "step": ck["step"], "state_sha256": h, **task.evaluate(model)}

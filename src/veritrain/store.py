@@ -192,25 +192,6 @@ def committed_state(manifest: dict, step: int) -> str | None:
     return None
 
 
-def leaves_of(run_dir: str, manifest: dict) -> list[bytes]:
-    """Leaf data of every complete interval, from the files as they are (missing files raise RunError)."""
-    run_sha = run_sha256(manifest)
-    out = []
-    for i, (a, b) in enumerate(intervals(int(manifest.get("steps_completed", manifest["steps"])),
-                                         manifest["checkpoint_every"])):
-        state = committed_state(manifest, b)
-        if state is None:
-            break
-        recs = []
-        for s in range(a, b):
-            p = os.path.join(run_dir, record_name(s))
-            if not os.path.exists(p):
-                raise RunError(f"{record_name(s)} is missing")
-            recs.append(file_sha256(p))
-        out.append(leaf_data(i, a, b, run_sha, state, recs))
-    return out
-
-
 def tree_of(leaves: list[bytes]) -> MerkleTree:
     return MerkleTree([leaf_hash(x) for x in leaves])
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 
-from .common import read_table, start, Output, train, veritrain
+from .common import bits_arg, read_table, start, Output, train, veritrain
 
 
 def run(args) -> Output:
-    bits_list = [int(b) for b in args.bits.split(",")] if args.bits else [32, 30, 28, 26, 24]
+    bits_list = bits_arg(args, [32, 30, 28, 26, 24])
     loads, out = start(args, "rounding", bits=bits_list)
     rows = []
     for w, (task, config) in loads.items():

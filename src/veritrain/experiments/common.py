@@ -50,6 +50,16 @@ def start(args, name: str, **settings) -> tuple[dict, "Output"]:
     return loads, out
 
 
+def bits_arg(args, default: list[int]) -> list[int]:
+    """--bits 32,28,... (rounding amounts), or the experiment's default."""
+    if not args.bits:
+        return default
+    try:
+        return [int(b) for b in args.bits.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--bits {args.bits!r}: expected comma-separated integers like 32,28,26") from None
+
+
 def read_table(out_dir: str, name: str) -> list[dict]:
     with open(os.path.join(out_dir, name, f"{name}.csv")) as f:
         return list(csv.DictReader(f))

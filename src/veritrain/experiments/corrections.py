@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 
-from .common import read_table, start, Output, train, veritrain
+from .common import bits_arg, read_table, start, Output, train, veritrain
 
 PHASES = ("forward", "backward", "optimizer")
 
 
 def run(args) -> Output:
-    bits_list = [int(b) for b in args.bits.split(",")] if args.bits else [32, 31, 30, 28, 27, 26]
+    bits_list = bits_arg(args, [32, 31, 30, 28, 27, 26])
     loads, out = start(args, "corrections", bits=bits_list, auditor_variant=args.variant)
     rows = []
     for w, (task, config) in loads.items():

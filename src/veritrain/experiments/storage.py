@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import store
 from ..logformat import StepLogReader
-from .common import read_table, start, Output, train
+from .common import bits_arg, read_table, start, Output, train
 
 POWERS = np.array([1, 3, 9, 27, 81], dtype=np.uint16)
 
@@ -79,7 +79,7 @@ def weight_bytes(run_dir: str) -> int:
 
 
 def run(args) -> Output:
-    bits_list = [int(b) for b in args.bits.split(",")] if args.bits else [32, 30, 28, 26]
+    bits_list = bits_arg(args, [32, 30, 28, 26])
     loads, out = start(args, "storage", bits=bits_list)
     rows = []
     for w, (task, config) in loads.items():

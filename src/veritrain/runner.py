@@ -478,3 +478,30 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         return out
     out["match"] = False
     return out
+
+
+def evaluate_run(run_dir: str, step: int | None = None) -> dict:
+    """The task's held-out metric for a run's checkpoint (the last one by default)."""
+    import copy
+
+    m = load_manifest(run_dir)
+    ck = m["checkpoints"][-1] if step is None else next((c for c in m["checkpoints"] if c["step"] == step), None)
+    if ck is None:
+        raise RunError(f"{run_dir} has no checkpoint after step {step}; it has "
+                       f"{[c['step'] for c in m['checkpoints']]}")
+    try:
+        task = build(m["task"], m["config"])
+    except TaskError as e:
+        raise RunError(f"cannot rebuild the run's task: {e}") from None
+    if task.evaluate is None:
+        raise RunError(f"task {m['task']} defines no evaluation")
+    if m["mode"] == "fp64":
+        task.model.double()
+    try:
+        _, h = load_checkpoint(os.path.join(run_dir, ck["file"]), task.model, task.optimizer, task.scheduler)
+    except CheckpointError as e:
+        raise RunError(str(e)) from None
+    if h != ck["state_sha256"]:
+        raise RunError(f"{ck['file']} does not hold the committed state")
+    model = copy.deepcopy(task.model).float() if m["mode"] == "fp64" else task.model
+    return {"task": m["task"], "step": ck["step"], "state_sha256": h, **task.evaluate(model)}

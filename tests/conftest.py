@@ -16,13 +16,13 @@ def shared_file(*parts) -> str:
     return path
 
 
-def cli(*args, env=None, check=None, timeout=900):
-    """Run ``python -m veritrain.cli ARGS`` in a fresh process; returns CompletedProcess."""
+def cli(*args, env=None, check=None, timeout=900, cwd=None):
+    """Run ``python -m veritrain.cli ARGS`` in a fresh process (in ``cwd``); returns CompletedProcess."""
     e = dict(os.environ)
     e.pop("VERITRAIN_VARIANT_APPLIED", None)
     e.update(env or {})
     p = subprocess.run([sys.executable, "-m", "veritrain.cli", *map(str, args)], capture_output=True, text=True,
-                       env=e, timeout=timeout)
+                       env=e, timeout=timeout, cwd=cwd)
     if check is not None and p.returncode != check:
         raise AssertionError(f"veritrain {' '.join(map(str, args))} exited {p.returncode}, expected {check}\n"
                              f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}")
@@ -48,6 +48,8 @@ def recommit(run_dir):
     from veritrain import store
 
     m = store.load_manifest(str(run_dir))
+    init_log = os.path.join(run_dir, store.INIT_LOG)
+    m["init_log_sha256"] = store.file_sha256(init_log) if os.path.exists(init_log) else None
     run_sha = store.run_sha256(m)
     leaves = []
     for i, (a, b) in enumerate(store.intervals(m["steps"], m["checkpoint_every"])):

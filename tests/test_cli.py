@@ -28,8 +28,8 @@ def test_bad_input_exits_2_with_a_named_error(tmp_path, shakespeare):
         assert message in p.stderr, (args, p.stderr)
         assert "Traceback" not in p.stderr
     (tmp_path / "manifest.json").write_text("{not json")
-    p = cli("audit", tmp_path)
-    assert p.returncode == 2 and "is not valid JSON" in p.stderr
+    p = cli("audit", tmp_path)  # a run folder whose manifest is damaged: the run is rejected, not unusable input
+    assert p.returncode == 1 and "is not valid JSON" in p.stderr and "REJECT" in p.stderr
 
 
 def test_existing_run_directory_is_never_overwritten(tmp_path):

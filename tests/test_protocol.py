@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from conftest import REPO, cli
+from veritrain.policy import Policy
 from veritrain.protocol import Challenger, LocalProver, ProverError
 from veritrain.server import HttpProver, make_server
 
@@ -17,6 +18,9 @@ TASKS = os.path.join(REPO, "tests", "tasks")
 sys.path.insert(0, TASKS)  # in-process provers rebuild the test task
 POISON_STEP = 4
 ENV = {"PYTHONPATH": TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+# the auditor names the (non-built-in) task itself: a run never chooses what code the auditor imports
+TASK = ["--task", "poisoned_digits:make_task"]
+POLICY = Policy(task="poisoned_digits:make_task")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +34,7 @@ def runs(tmp_path_factory):
     audits = {}
     for name, run in (("honest", honest), ("poisoned", poisoned)):
         out = d / f"audit-{name}"
-        p = cli("audit", run, "--out", out, "--json", "--quiet", "--variant", "isa-avx2", env=ENV)
+        p = cli("audit", run, "--out", out, "--json", "--quiet", "--variant", "isa-avx2", *TASK, env=ENV)
         audits[name] = (p.returncode, json.loads(p.stdout), out)
     return honest, poisoned, audits
 
@@ -39,7 +43,7 @@ def test_honest_run_is_accepted_and_has_no_dispute(runs):
     honest, _, audits = runs
     rc, result, audit_dir = audits["honest"]
     assert rc == 0 and result["accepted"], result["reasons"]
-    p = cli("dispute", honest, audit_dir, "--json", env=ENV)
+    p = cli("dispute", honest, audit_dir, "--json", *TASK, env=ENV)
     v = json.loads(p.stdout)
     assert p.returncode == 0 and v["verdict"] == "no_dispute", v
 
@@ -61,7 +65,7 @@ def test_poisoned_step_is_localised_and_the_referee_rules_against_the_trainer(ru
     assert any(f"step {POISON_STEP}: the trainer's data record differs" in r for r in result["reasons"]), result["reasons"]
     proc, url = serve(poisoned, {**ENV, "VERITRAIN_TEST_POISON_STEP": str(POISON_STEP)})
     try:
-        p = cli("dispute", url, audit_dir, "--json", env=ENV)
+        p = cli("dispute", url, audit_dir, "--json", *TASK, env=ENV)
     finally:
         proc.terminate()
         proc.wait()
@@ -103,7 +107,7 @@ def test_a_prover_that_lies_over_http_loses(runs, tmp_path, lie, why):
     t.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        v = Challenger(HttpProver(url), audit_state).play()
+        v = Challenger(HttpProver(url), audit_state, policy=POLICY).play()
     finally:
         server.shutdown()
         server.server_close()
@@ -162,7 +166,7 @@ def test_an_auditor_with_a_wrong_leaf_is_ruled_wrong(runs):
     honest, _, audits = runs
     audit_state = json.loads((audits["honest"][2] / "audit.json").read_text())
     audit_state["leaves"]["1"] = "11" * 32
-    v = Challenger(LocalProver(str(honest)), audit_state).play()
+    v = Challenger(LocalProver(str(honest)), audit_state, policy=POLICY).play()
     assert v["verdict"] == "auditor_wrong" and v["interval"] == 1, v
 
     server = make_server(SlowProver(str(honest)), "127.0.0.1", 0)
@@ -170,7 +174,7 @@ def test_an_auditor_with_a_wrong_leaf_is_ruled_wrong(runs):
     t.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        p = cli("dispute", url, audits["honest"][2], "--json", "--timeout", "0.5")
+        p = cli("dispute", url, audits["honest"][2], "--json", "--timeout", "0.5", *TASK)
     finally:
         server.shutdown()
         server.server_close()

@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .commitments import canonical_json, state_hash
 from .store import fsync_dir
@@ -112,29 +112,77 @@ def _unshared(tensors: dict) -> dict:
     return out
 
 
-def read_checkpoint(path: str):
-    """(tensors, meta, step, recorded state hash). Raises CheckpointError naming the problem."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
+def _safetensors_path(f) -> str:
+    """A path that opens the very file ``f`` holds open (Linux: /proc/self/fd), else its checked path."""
+    proc = f"/proc/self/fd/{f.fileno()}"
+    return proc if os.path.exists(proc) else f.path
+
+
+def read_checkpoint(source):
+    """(tensors, meta, step, recorded state hash) of a checkpoint: a path, or a file opened by
+    store.open_run_file. Either way it is read as hostile input: a regular file (no symlink, fifo or
+    device) within store.MAX_CHECKPOINT_BYTES, checked before safetensors reads it (with pread, not
+    mmap, where safetensors can). Raises CheckpointError naming the problem."""
+    from safetensors import safe_open
+
+    from .store import MAX_CHECKPOINT_BYTES, RunFileError, open_regular_file
+
+    owned = None
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            owned = f = open_regular_file(os.fspath(source), MAX_CHECKPOINT_BYTES, "checkpoint")
+        except RunFileError as e:
+            raise CheckpointError(f"checkpoint {e}") from None
+    else:
+        f = source
+    path = f.path
     try:
-        tensors = load_file(path)
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            header = f.metadata() or {}
+        target = _safetensors_path(f)
+        try:
+            handle = safe_open(target, framework="pt", backend="pread")
+        except TypeError:  # safetensors < 0.8: no backend choice (mmap)
+            handle = safe_open(target, framework="pt")
+        with handle as st:
+            header = st.metadata() or {}
+            tensors = {k: st.get_tensor(k) for k in st.keys()}
         info = json.loads(header["veritrain"])
-    except (SafetensorError, KeyError, json.JSONDecodeError, OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable or not a veritrain checkpoint ({e})") from None
-    return tensors, info["meta"], int(info["step"]), info["state_sha256"]
+        if not (isinstance(info, dict) and isinstance(info.get("meta"), dict) and isinstance(info.get("step"), int)
+                and not isinstance(info["step"], bool) and info["step"] >= 0
+                and isinstance(info.get("state_sha256"), str)):
+            raise ValueError("its veritrain metadata is not {step, meta, state_sha256}")
+    except (SafetensorError, KeyError, json.JSONDecodeError, OSError, ValueError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable or not a veritrain checkpoint "
+                              f"({str(e):.300})") from None
+    finally:
+        if owned is not None:
+            owned.close()
+    return tensors, info["meta"], info["step"], info["state_sha256"]
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler):
-    """Restore the state in place; returns (step, recomputed state hash)."""
-    tensors, meta, step, recorded = read_checkpoint(path)
-    actual = state_hash(tensors, meta, step)
+def load_checkpoint(source, model, optimizer, scheduler):
+    """Restore the state in place; returns (step, recomputed state hash). ``source`` is a path or a file
+    opened by store.open_run_file (read_checkpoint). A file that does not hold a state of the task is a
+    CheckpointError, whatever its header says."""
+    tensors, meta, step, recorded = read_checkpoint(source)
+    path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source.path
+    try:
+        actual = state_hash(tensors, meta, step)
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {path} holds no hashable state ({str(e):.200})") from None
     if actual != recorded:
         raise CheckpointError(f"checkpoint {path} is corrupt: its contents hash to {actual[:16]}…, "
                               f"its header says {recorded[:16]}…")
+    try:
+        _restore(path, tensors, meta, model, optimizer, scheduler)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path} does not hold a state of the task "
+                              f"({type(e).__name__}: {str(e):.200})") from None
+    return step, hash_state(model, optimizer, scheduler, step)
+
+
+def _restore(path, tensors, meta, model, optimizer, scheduler):
     model_sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     try:
         model.load_state_dict(model_sd, strict=True)
@@ -166,7 +214,6 @@ def load_checkpoint(path: str, model, optimizer, scheduler):
     _restore_exact_dtypes(optimizer, state)
     if scheduler is not None and meta.get("scheduler"):
         scheduler.load_state_dict(meta["scheduler"]["state"])
-    return step, hash_state(model, optimizer, scheduler, step)
 
 
 def _restore_exact_dtypes(optimizer, state):

@@ -21,6 +21,22 @@ def _variant_arg(p):
                    help="run this command as if on other hardware (re-runs it in a child process)")
 
 
+def _policy_args(p):
+    p.add_argument("--contract", help="the client's contract (veritrain contract writes one): the settings this "
+                                      "auditor accepts; without it, the default policy (built-in tasks, default "
+                                      "thresholds and slack as ceilings)")
+    p.add_argument("--task", dest="policy_task", metavar="TASK",
+                   help="accept a run of this task (module:function you name yourself; a run never names code "
+                        "for the auditor to import)")
+
+
+def _policy(args):
+    from .policy import Policy
+
+    return Policy.from_options(contract=getattr(args, "contract", None), task=getattr(args, "policy_task", None),
+                               root=getattr(args, "root", None))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="veritrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,11 +62,28 @@ def build_parser() -> argparse.ArgumentParser:
                                  "audit of the same run continues where it stopped")
     a.add_argument("--intervals", help="replay only these intervals (0-based), e.g. 3,5-7")
     a.add_argument("--sample", type=int, help="replay N intervals drawn at random (with --seed)")
-    a.add_argument("--seed", type=int, default=0, help="seed for --sample")
+    a.add_argument("--seed", type=int, default=None,
+                   help="seed for --sample (default: fresh randomness, printed and saved, so the trainer cannot "
+                        "know which intervals go unchecked)")
     a.add_argument("--root", help="the root the trainer gave you (default: the one in the run's manifest)")
     a.add_argument("--json", action="store_true", help="print the result as JSON")
     a.add_argument("--quiet", action="store_true")
+    _policy_args(a)
     _variant_arg(a)
+
+    k = sub.add_parser("contract", help="write the client's contract: the settings an auditor will accept")
+    k.add_argument("task", help="built-in task or module:function (its source is hashed into the contract)")
+    k.add_argument("--out", required=True, help="new contract file (JSON)")
+    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="task config override")
+    k.add_argument("--steps", type=int)
+    k.add_argument("--checkpoint-every", type=int)
+    k.add_argument("--seed", type=int)
+    k.add_argument("--bits", type=int)
+    k.add_argument("--mode", choices=["verified", "nolog", "fp64", "fp32"])
+    k.add_argument("--thresholds", help="JSON file of per-class threshold ceilings (default: the built-in ones)")
+    k.add_argument("--slack", type=float, help="the auditor's slack (default 2)")
+    k.add_argument("--initial-state", help="pin the initial state's hash (fine-tuning from given weights)")
+    k.add_argument("--root", help="the root the trainer committed to")
 
     d = sub.add_parser("demo", help="train the digits CNN, audit it on emulated other hardware, print the verdict")
     d.add_argument("--out", help="folder for the demo's runs (default: a new temporary folder)")
@@ -64,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir")
     e.add_argument("--step", type=int, help="the checkpoint after this many steps (default: the last)")
     e.add_argument("--json", action="store_true")
+    _policy_args(e)
 
     x = sub.add_parser("experiment", help="run one of the paper's experiments (table CSV + Markdown, plot PNG)")
     from .experiments import add_arguments
@@ -81,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("run_dir")
     v.add_argument("--root", help="also require this root")
     v.add_argument("--json", action="store_true")
+    _policy_args(v)
 
     i = sub.add_parser("inspect", help="summarise a run or an audit: steps, root, log sizes, entries")
     i.add_argument("run_dir")
@@ -95,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prover", help="the trainer's run directory or http://HOST:PORT of `veritrain serve`")
     g.add_argument("audit_dir", help="an audit directory written by `veritrain audit --out`")
     g.add_argument("--root", help="the root the trainer gave you (default: the audited root)")
-    g.add_argument("--timeout", type=float, default=300.0, help="seconds the prover may take per answer")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds the prover may take for one whole answer "
+                                                                 "(connecting, headers and body together)")
     g.add_argument("--json", action="store_true")
+    _policy_args(g)
 
     c = sub.add_parser("calibrate", help="measure float64 differences across hardware variants; write thresholds")
     c.add_argument("task")
@@ -135,8 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         from .checkpoint import CheckpointError
         from .engine import VeritrainError
         from .logformat import LogFormatError
-        from .store import RunError
+        from .store import RunError, RunRejected
         from .task import TaskError
+
+        if isinstance(e, RunRejected) and args.command in ("audit", "verify", "eval", "dispute", "inspect"):
+            # the run is altered, malformed or outside the auditor's policy: a rejection, exit 1
+            if getattr(args, "json", False):
+                print(json.dumps({"accepted": False, "refused": True, "reasons": [str(e)]}, indent=1, sort_keys=True))
+            print(f"veritrain: REJECT: {e}", file=sys.stderr)
+            return 1
 
         if isinstance(e, (RunError, TaskError, CheckpointError, LogFormatError, VeritrainError, ValueError, OSError,
                           FileNotFoundError, PermissionError)):
@@ -162,10 +206,12 @@ def _dispatch(args) -> int:
         return _compare(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "contract":
+        return _contract(args)
     if args.command == "eval":
         from .runner import evaluate_run
 
-        r = evaluate_run(args.run_dir, args.step)
+        r = evaluate_run(args.run_dir, args.step, policy=_policy(args))
         print(json.dumps(r, indent=1, sort_keys=True) if args.json else
               f"{r['task']} after {r['step']} steps: " + ", ".join(
                   f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
@@ -195,16 +241,62 @@ def _dispatch(args) -> int:
     return 2
 
 
-def _verify(args) -> int:
-    from .store import verify
+def _contract(args) -> int:
+    from .policy import Policy, write_contract
+    from .task import default_config, parse_overrides, source_hash
 
-    r = verify(args.run_dir, args.root)
+    thresholds = _read_thresholds(args.thresholds) if args.thresholds else {}
+    overrides = parse_overrides(args.set, {})
+    defaults = default_config(args.task)
+    policy = Policy(task=args.task, task_source_sha256=source_hash(args.task), config={**defaults, **overrides},
+                    seed=args.seed, steps=args.steps, checkpoint_every=args.checkpoint_every, bits=args.bits,
+                    mode=args.mode, thresholds=thresholds, slack=args.slack if args.slack is not None else 2.0,
+                    initial_state_sha256=args.initial_state, root=args.root, source="veritrain contract")
+    write_contract(args.out, policy)
+    print(f"contract for task {args.task} (source sha256 {policy.task_source_sha256[:16]}…) -> {args.out}")
+    return 0
+
+
+def _read_thresholds(path):
+    try:
+        with open(path) as f:
+            thresholds = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--thresholds {path}: {e}") from None
+    if not isinstance(thresholds, dict):
+        raise ValueError(f"--thresholds {path}: expected a JSON object of class -> constant")
+    return thresholds.get("thresholds", thresholds)
+
+
+def _verify(args) -> int:
+    from .policy import PolicyError
+    from .store import RunRejected, load_manifest, verify
+
+    from .runner import unverified_fields
+
+    policy = _policy(args)
+    refused, unverified = None, {}
+    try:  # the run's settings against the auditor's policy (nothing is imported or built here)
+        m = load_manifest(args.run_dir)
+        unverified = unverified_fields(m)
+        policy.admit(m, build=False)
+    except PolicyError as e:
+        refused = str(e)
+    except RunRejected:  # a damaged manifest is reported by verify() below; a missing one is unusable input
+        pass
+    r = verify(args.run_dir, args.root or policy.root)
+    r["unverified"] = unverified  # fields no commitment covers: the trainer's claims
+    if refused:
+        r["problems"].insert(0, {"file": "manifest.json", "problem": f"refused by the auditor's policy: {refused}"})
+        r["ok"] = False
     if args.json:
         print(json.dumps(r, indent=1, sort_keys=True))
     else:
         print(f"{args.run_dir}: {r['steps']} steps, {r['intervals']} intervals, root {r['root']}")
         for p in r["problems"]:
             print(f"  {p['file']}: {p['problem']}")
+        if unverified:
+            print(f"  not covered by the root (the trainer's unverified claims): {', '.join(sorted(unverified))}")
         print("consistent" if r["ok"] else f"NOT consistent: {len(r['problems'])} problem(s)")
     return 0 if r["ok"] else 1
 
@@ -271,7 +363,7 @@ def _dispute(args) -> int:
     else:
         prover = LocalProver(args.prover)
     try:
-        verdict = Challenger(prover, audit_state, args.root).play()
+        verdict = Challenger(prover, audit_state, args.root, policy=_policy(args)).play()
     except _Lost as e:
         verdict = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None, "module": None,
                    "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
@@ -331,14 +423,7 @@ def _train(args) -> int:
     from .runner import TrainOptions, train
     from .task import parse_overrides
 
-    thresholds = None
-    if args.thresholds:
-        try:
-            with open(args.thresholds) as f:
-                thresholds = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"--thresholds {args.thresholds}: {e}") from None
-        thresholds = thresholds.get("thresholds", thresholds)
+    thresholds = _read_thresholds(args.thresholds) if args.thresholds else None
     m = train(TrainOptions(task=args.task, out=args.out, steps=args.steps, checkpoint_every=args.checkpoint_every,
                            bits=args.bits, seed=args.seed, config=parse_overrides(args.set, {}), mode=args.mode,
                            thresholds=thresholds, progress=not args.quiet, resume=args.resume))
@@ -358,7 +443,7 @@ def _audit(args) -> int:
     if args.intervals and args.sample:
         raise ValueError("use either --intervals or --sample, not both")
     r = audit(args.run_dir, args.out, progress=not args.quiet, intervals=args.intervals, sample=args.sample,
-              sample_seed=args.seed, root=args.root)
+              sample_seed=args.seed, root=args.root, policy=_policy(args))
     if args.json:
         print(json.dumps(r.as_dict(), indent=1, sort_keys=True))
     else:
@@ -371,6 +456,10 @@ def _audit(args) -> int:
         print(f"  steps replayed {r.steps}, log entries {r.entries}, corrections applied "
               f"{sum(r.corrections.values())} ({', '.join(f'{k} {v}' for k, v in r.corrections.items())}), "
               f"suspicious entries {r.suspicious}")
+        if r.sample_seed is not None:
+            print(f"  sampled intervals with seed {r.sample_seed} (repeat with --seed {r.sample_seed})")
+        if r.unverified:
+            print(f"  not covered by the root, the trainer's unverified claims: {', '.join(sorted(r.unverified))}")
         print(f"verdict: {'ACCEPT' if r.accepted else 'REJECT'}")
         for reason in r.reasons:
             print(f"  - {reason}")

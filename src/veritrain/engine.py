@@ -82,6 +82,12 @@ class StepStats:
     suspicious_count: int = 0
     fallback_ops: set = field(default_factory=set)
     log: dict | None = None
+    # the trainer's remaining freedom, as the auditor saw it: entries it accepted and how wide a window
+    # of values each value entry left open (absolute, and in grid cells at the auditor's result)
+    freedom_direction: int = 0
+    freedom_value: int = 0
+    freedom_value_window: float = 0.0
+    freedom_value_cells: float = 0.0
 
     @property
     def rounded_total(self):
@@ -100,7 +106,11 @@ class StepStats:
                 "entries_direction": dict(self.entries_dir), "entries_value": dict(self.entries_val),
                 "entries_scalar": self.entries_scalar, "corrections": dict(self.corrections),
                 "suspicious": self.suspicious_count, "fallback_ops": sorted(self.fallback_ops),
-                "log": self.log}
+                "log": self.log, "freedom": self.freedom()}
+
+    def freedom(self) -> dict:
+        return {"direction_entries": self.freedom_direction, "value_entries": self.freedom_value,
+                "value_window_total": self.freedom_value_window, "value_window_cells": self.freedom_value_cells}
 
 
 @dataclass
@@ -332,8 +342,9 @@ class VerifiedMode(TorchDispatchMode):
     """One training step under the engine. ``writer`` (trainer) or ``reader`` (auditor) or neither."""
 
     def __init__(self, config: EngineConfig, step: int, writer: StepLogWriter | None = None,
-                 reader: StepLogReader | None = None):
+                 reader: StepLogReader | None = None, domain: str = "op"):
         super().__init__()
+        self.domain = domain  # "op" inside a training step, "init" while the task is built
         self.config = config
         self.grid = Grid(config.bits)
         self.step = step
@@ -352,8 +363,8 @@ class VerifiedMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace in _IGNORED_NAMESPACES:
-            return func(*args, **kwargs)
+        if func.namespace in _IGNORED_NAMESPACES or _on_meta(args):
+            return func(*args, **kwargs)  # meta tensors (e.g. a model being loaded) hold no values to round
         name = rules.base_name(func)
         if name in ("native_dropout", "native_dropout_backward"):
             return self._lower_dropout(func, args, kwargs)
@@ -384,15 +395,18 @@ class VerifiedMode(TorchDispatchMode):
         tr = self.trace
         before, random_before = self.op_index, self.random_index
         inputs = [_tensor_digest(x).hex() for x in _tensor_leaves((args, kwargs))]
+        bound = call_args_digest(func, args, kwargs)  # the non-tensor arguments, before scalars are rounded
         call = dump_call(func, args, kwargs, random_before) if tr.capture == before + 1 else None
         out = self._random(func, args, kwargs) if rule.kind == rules.RANDOM else self._compute(func, rule, args, kwargs)
         if self.op_index == before + 1:  # this call was one rounded op (not integer work)
             outputs = [_tensor_digest(x).hex() for x in _tensor_leaves(out)]
             for d in outputs:
                 tr.sources.setdefault(d, f"op:{self.op_index}")
-            chain = tr.chain(str(func), outputs)
-            tr.entries.append({"index": self.op_index, "op": str(func), "where": tr.where(self), "inputs": inputs,
-                               "sources": [tr.sources.get(d) for d in inputs], "outputs": outputs, "chain": chain})
+            entry = {"index": self.op_index, "op": str(func), "where": tr.where(self), "args": bound,
+                     "random_index": random_before, "inputs": inputs,
+                     "sources": [tr.sources.get(d) for d in inputs], "outputs": outputs}
+            entry["chain"] = OpTrace.link(tr.entries[-1]["chain"] if tr.entries else "", entry)
+            tr.entries.append(entry)
             if call is not None:
                 tr.captured = call
         return out
@@ -407,13 +421,16 @@ class VerifiedMode(TorchDispatchMode):
     # --- scalars ----------------------------------------------------------------------------------
 
     def _round_scalars(self, leaves, record_scalars, forced):
-        """Round Python float leaves to float32 in place; trainer notes near-midpoint ones."""
+        """Round Python float leaves to float32 in place; trainer notes near-midpoint ones. (The auditor's
+        forced decisions for positions that are not finite float scalars are flagged by _unused_forced.)"""
+        forced_used = self._forced_used = set()
         for i, x in enumerate(leaves):
             if type(x) is not float or not math.isfinite(x):
                 continue
             x32 = float(np.float32(x))
             if i in forced:
                 leaves[i] = self._force_scalar(x, forced[i], i)
+                forced_used.add(i)
                 continue
             if x32 != x and record_scalars is not None:
                 other = float(np.nextafter(np.float32(x32), np.float32(math.copysign(math.inf, x - x32))))
@@ -424,9 +441,9 @@ class VerifiedMode(TorchDispatchMode):
 
     def _unused_forced(self, func, leaves, forced):
         for pos in forced:
-            if pos >= len(leaves) or type(leaves[pos]) is not float:
+            if pos not in self._forced_used:
                 self._suspicious(pos, 0, "scalar", f"{func}: scalar entry for argument {pos}, which is not a "
-                                 f"float scalar", op=str(func))
+                                 f"finite float scalar", op=str(func))
 
     def _force_scalar(self, x, away, pos):
         x32 = float(np.float32(x))
@@ -706,7 +723,9 @@ class VerifiedMode(TorchDispatchMode):
             self.stats.corrections[phase] += int((forced.view(torch.int32) != natural.view(torch.int32)).sum())
             tau = c * UNIT_ROUNDOFF * slot.scale_at(pos)
             dist = grid.midpoint_distance(yc)
-            bad = dist > slack * tau
+            # needed only within slack * tau of a midpoint; NaN or infinite results never need one
+            bad = ~(dist <= slack * tau) | ~torch.isfinite(yc) | (yc.abs() >= 2.0**128)
+            self.stats.freedom_direction += int(len(pos))
             for j in bad.nonzero().flatten().tolist():
                 self._suspicious(int(pos[j]), index, "direction",
                                  f"{func}: value {yc[j].item()!r} is {dist[j].item():.3g} from a midpoint, "
@@ -720,10 +739,22 @@ class VerifiedMode(TorchDispatchMode):
             self.stats.corrections[phase] += int((vals.view(torch.int32) != natural.view(torch.int32)).sum())
             tau = c * UNIT_ROUNDOFF * slot.scale_at(pos)
             v64 = vals.double()
+            window = slack * tau
+            # the auditor's own classification: a value entry is needed only where the error bound is not
+            # small against the grid spacing anywhere in the window (the trainer's result lies within tau
+            # of ours, so its spacing is at least the spacing at |y| - tau)
+            low = (yc.abs() - window).clamp(min=0.0)
+            needed = torch.isfinite(yc) & (yc.abs() < 2.0**128) & (window >= grid.spacing_at(low) / 8)
+            # the value must be a grid point the honest trainer could have produced: round(y') for some
+            # y' within the window of ours
             spacing = torch.maximum(grid.spacing_at(yc), grid.spacing_at(v64))
-            far = (v64 - yc).abs() > spacing / 2 + slack * tau
-            same_nonfinite = ~torch.isfinite(v64) & (v64 == yc)
-            bad = (far & ~same_nonfinite) | ~grid.on_grid(vals) | torch.isnan(v64)
+            inside = (v64 - yc).abs() <= spacing / 2 + window
+            bad = ~needed | ~inside | ~grid.on_grid(vals) | ~torch.isfinite(v64)
+            self.stats.freedom_value += int(len(pos))
+            ok = ~bad
+            if bool(ok.any()):
+                self.stats.freedom_value_window += float((2 * window[ok]).sum())
+                self.stats.freedom_value_cells += float((2 * window[ok] / grid.spacing_at(yc[ok].abs())).sum())
             for j in bad.nonzero().flatten().tolist():
                 self._suspicious(int(pos[j]), index, "value",
                                  f"{func}: logged value {vals[j].item()!r} but the computed value is "
@@ -736,13 +767,15 @@ class VerifiedMode(TorchDispatchMode):
             self.stats.suspicious.append(Suspicious(self.step, self.op_index, op, slot, position, kind, detail))
 
     def _suspicious_block(self, func, slot, entries, why):
-        for p in list(entries.dir_pos) + list(entries.val_pos):
+        positions = np.concatenate([entries.dir_pos, entries.val_pos])
+        for p in positions[:MAX_SUSPICIOUS_DETAILS]:  # details for the first few; every one is counted
             self._suspicious(int(p), slot, "exact", f"{func}: {why}", op=str(func))
+        self.stats.suspicious_count += max(0, len(positions) - MAX_SUSPICIOUS_DETAILS)
 
     # --- random ops -------------------------------------------------------------------------------
 
     def _stream(self):
-        s = randomness.Stream(self.config.seed, self.step, self.random_index, "op")
+        s = randomness.Stream(self.config.seed, self.step, self.random_index, self.domain)
         self.random_index += 1
         return s
 
@@ -881,6 +914,15 @@ class VerifiedMode(TorchDispatchMode):
 # --- small helpers ------------------------------------------------------------------------------
 
 
+def _on_meta(args) -> bool:
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            return x.is_meta
+        if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+            return x[0].is_meta
+    return False
+
+
 def _abs(x):
     return x.abs() if isinstance(x, torch.Tensor) else abs(float(x))
 
@@ -953,7 +995,7 @@ def _tensor_digest(t: torch.Tensor) -> bytes:
 
 @contextlib.contextmanager
 def step_context(config: EngineConfig, step: int, writer=None, reader=None, trace: OpTrace | None = None, probe=None,
-                 check_trailing: bool = True):
+                 check_trailing: bool = True, domain: str = "op"):
     """Run one training step under the engine. Yields the VerifiedMode (its ``stats`` after exit).
 
     ``trace`` collects per-operator digests (the verification game); ``check_trailing=False`` lets a
@@ -965,7 +1007,7 @@ def step_context(config: EngineConfig, step: int, writer=None, reader=None, trac
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    mode = VerifiedMode(config, step, writer=writer, reader=reader)
+    mode = VerifiedMode(config, step, writer=writer, reader=reader, domain=domain)
     mode.trace = trace
     mode.probe = probe
 
@@ -994,7 +1036,9 @@ def step_context(config: EngineConfig, step: int, writer=None, reader=None, trac
 
 
 class OpTrace:
-    """Per-operator records of one step: op name, where it ran, input and output digests.
+    """Per-operator records of one step: op name, where it ran, the digest of its non-tensor arguments
+    (``call_args_digest``), its random-op index, input and output digests, and the running hash ``chain``
+    (``link``) that binds all but the inputs.
 
     ``sources`` labels digests known before the step (the batch's tensors, the state's tensors) so a
     disputed input can be traced to what produced it; ``capture = k`` keeps a copy of operator k's call
@@ -1008,12 +1052,21 @@ class OpTrace:
         self.sources: dict[str, str] = {}
         self.modules: list[str] = []
 
-    def chain(self, op: str, outputs: list) -> str:
-        """Hash of every op and output so far: bisection on it finds the first difference (monotone)."""
+    @staticmethod
+    def link(prev: str, entry: dict) -> str:
+        """The running hash after ``entry``: the previous one, the op's name, the digest of its non-tensor
+        arguments, its random-op index and its output digests. Bisection on it finds the first difference
+        (monotone), and an entry can be checked against the hash it was answered with. (Input digests are
+        not bound: an op's real inputs are earlier outputs, agreed state or data, and some ops take
+        uninitialised memory that they overwrite, e.g. the mask tensor of ``bernoulli_``.)"""
         import hashlib
 
-        prev = self.entries[-1]["chain"] if self.entries else ""
-        return hashlib.sha256((prev + op + "".join(outputs)).encode()).hexdigest()
+        fields = [prev, entry.get("op"), entry.get("args"), entry.get("random_index"), entry.get("outputs")]
+        try:
+            data = json.dumps(fields, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            return ""  # a malformed entry links to nothing
+        return hashlib.sha256(data.encode()).hexdigest()
 
     def add_sources(self, tensors: dict, kind: str):
         for name, t in tensors.items():
@@ -1033,6 +1086,46 @@ def _tensor_leaves(tree) -> list:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+def _encode_arg(x, func, strict: bool = True):
+    """A non-tensor argument of an op call as JSON (``dump_call``'s encoding)."""
+    if isinstance(x, torch.dtype):
+        return {"dtype": str(x).replace("torch.", "")}
+    if isinstance(x, torch.device):
+        return {"device": str(x)}
+    if isinstance(x, (torch.memory_format, torch.layout)):
+        return {type(x).__name__: str(x).replace("torch.", "")}
+    if isinstance(x, float):
+        return {"float": repr(float(x))}
+    if x is None or isinstance(x, (bool, int, str)):
+        return {"value": x}
+    if strict:
+        raise ValueError(f"cannot serialise an argument of type {type(x).__name__} of {func}")
+    return {"other": type(x).__name__}
+
+
+def _call_structure(x, func):
+    if isinstance(x, torch.Tensor):
+        return {"tensor": None}
+    if isinstance(x, torch.device):
+        return {"device": None}  # where it ran is not part of the computation (a GPU trainer, a CPU auditor)
+    if isinstance(x, (list, tuple)):
+        return [_call_structure(y, func) for y in x]
+    if isinstance(x, dict):
+        return {str(k): _call_structure(v, func) for k, v in x.items()}
+    return _encode_arg(x, func, strict=False)
+
+
+def call_args_digest(func, args, kwargs) -> str:
+    """SHA-256 (hex) of an op call's non-tensor arguments and of where its tensors go: what an op trace
+    binds beside its tensors' digests, so the verification game can tell two calls of one op apart
+    (another step size, another dimension, another dtype)."""
+    import hashlib
+
+    data = json.dumps([str(func), _call_structure(list(args), func), _call_structure(dict(kwargs), func)],
+                      sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
 def dump_call(func, args, kwargs, random_index: int) -> bytes:
     """An operator call as bytes: safetensors holding its tensor arguments, the rest as JSON metadata."""
     from safetensors.torch import save
@@ -1044,21 +1137,28 @@ def dump_call(func, args, kwargs, random_index: int) -> bytes:
         if isinstance(x, torch.Tensor):
             tensors[f"t{i}"] = x.detach().cpu().contiguous().clone()
             encoded.append({"tensor": f"t{i}"})
-        elif isinstance(x, torch.dtype):
-            encoded.append({"dtype": str(x).replace("torch.", "")})
-        elif isinstance(x, torch.device):
-            encoded.append({"device": str(x)})
-        elif isinstance(x, (torch.memory_format, torch.layout)):
-            encoded.append({type(x).__name__: str(x).replace("torch.", "")})
-        elif isinstance(x, float):
-            encoded.append({"float": repr(x)})
-        elif x is None or isinstance(x, (bool, int, str)):
-            encoded.append({"value": x})
         else:
-            raise ValueError(f"cannot serialise an argument of type {type(x).__name__} of {func}")
+            encoded.append(_encode_arg(x, func))
     meta = {"func": str(func), "spec": treespec_dumps(spec), "leaves": json.dumps(encoded),
             "random_index": str(random_index)}
     return save(tensors, metadata=meta)
+
+
+def load_call_tensors(data: bytes) -> list:
+    """Only the tensor arguments (in call order) of ``dump_call`` bytes: what the verification game takes
+    from the other side's payload. Nothing in it is resolved or imported (no op, no argument)."""
+    from safetensors.torch import load
+
+    tensors = load(bytes(data))
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + n]).get("__metadata__", {})
+    leaves = json.loads(meta["leaves"])
+    if not isinstance(leaves, list):
+        raise ValueError("malformed call metadata")
+    names = [e["tensor"] for e in leaves if isinstance(e, dict) and "tensor" in e]
+    if sorted(names) != sorted(tensors) or len(set(names)) != len(names):
+        raise ValueError("the call's tensors and its metadata disagree")
+    return [tensors[name] for name in names]
 
 
 def load_call(data: bytes):

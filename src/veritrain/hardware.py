@@ -45,7 +45,10 @@ def run_in_variant(name: str, argv: list[str]) -> int:
             del env[k]
     env.update(variant_env(name))
     env[APPLIED] = name
-    return subprocess.call([sys.executable, "-m", "veritrain.cli", *argv], env=env)
+    # -P (Python >= 3.11): the working directory is not put on sys.path, so a folder the auditor happens
+    # to run in cannot shadow a module
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    return subprocess.call([sys.executable, *safe, "-m", "veritrain.cli", *argv], env=env)
 
 
 def configure_allocator() -> bool:

@@ -12,37 +12,49 @@ DENSE_BITS_PER_VALUE = 1.6  # the paper's packed encoding: 5 three-way rounding 
 INSPECT_FORMAT = "veritrain-inspect/1"
 
 
-def _log_totals(path: str, step: int, bits: int) -> dict | None:
+def _log_totals(run_dir: str, name: str, step: int, bits: int) -> tuple[int | None, dict | None]:
+    """(file size, totals) of one step's log, read as hostile input (store.open_run_file): the size is
+    None when the file is refused, the totals None when it does not decode."""
     try:
-        r = StepLogReader(path, expect_step=step, expect_bits=bits)
+        f = store.open_run_file(run_dir, name)
+    except store.RunFileError:
+        return None, None
+    try:
+        r = StepLogReader(f, expect_step=step, expect_bits=bits)
         while r.next_op() is not None:
             pass
-        r.close()
     except LogFormatError:
-        return None
+        return f.size, None
+    finally:
+        f.close()
     t = r.end
-    return {"rounded_values": t.rounded_values, "direction": t.n_dir, "value": t.n_val, "scalar": t.n_scalar,
-            "ops": t.n_ops}
+    return f.size, {"rounded_values": t.rounded_values, "direction": t.n_dir, "value": t.n_val,
+                    "scalar": t.n_scalar, "ops": t.n_ops}
+
+
+def _committed_steps(m: dict) -> int:
+    """How many steps the manifest's leaves commit to (bounds the files a hostile manifest makes us read)."""
+    try:
+        return sum(len(store.parse_leaf(bytes.fromhex(x))["records"]) for x in m.get("leaves", []))
+    except (ValueError, TypeError, store.RunError):
+        return 0
 
 
 def inspect_run(run_dir: str) -> dict:
     m = store.load_manifest(run_dir)
-    steps = int(m.get("steps_completed", 0))
+    steps = min(int(m.get("steps_completed", 0)), _committed_steps(m))
     per_step, log_total, rounded_total = [], 0, 0
     entries = {"direction": 0, "value": 0, "scalar": 0}
     verified = m["mode"] == "verified"
     for s in range(steps):
         row = {"step": s, "loss": None}
         try:
-            with open(os.path.join(run_dir, store.record_name(s)), "rb") as f:
-                rec = json.loads(f.read(1 << 20))
+            rec = json.loads(store.read_run_file(run_dir, store.record_name(s)))
             row["loss"] = rec.get("loss") if isinstance(rec, dict) else None
-        except (OSError, ValueError):
+        except (store.RunError, ValueError, RecursionError):
             pass
         if verified:
-            p = os.path.join(run_dir, store.log_name(s))
-            tot = _log_totals(p, s, int(m["bits"])) if os.path.exists(p) else None
-            row["log_bytes"] = os.path.getsize(p) if os.path.exists(p) else None
+            row["log_bytes"], tot = _log_totals(run_dir, store.log_name(s), s, int(m["bits"]))
             if tot:
                 row.update(tot)
                 log_total += row["log_bytes"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
-from .store import fsync_dir
+from .store import MAX_LOG_BYTES, RunFileError, fsync_dir, open_regular_file
 
 MAGIC = b"VTRLOG1\n"
 _H, _N, _O, _E = b"H", b"N", b"O", b"E"
@@ -34,6 +34,14 @@ MAX_NDIM = 64
 MAX_NUMEL = 1 << 48
 MAX_NAME = 4096
 MAX_OP_BYTES = 1 << 27  # the entry blocks of one op record (honest logs: kilobytes); bounds a reader's memory
+MAX_OUTPUTS = 1 << 20  # outputs of one op record
+MAX_SCALARS = 1024  # scalar entries of one op record
+MAX_VARINT_BYTES = 9  # varints carry at most 63 bits
+MAX_DECODED = 1 << 32  # decompressed bytes of one log
+MAX_INFLATION = 64  # decompressed bytes per compressed byte read, beyond INFLATION_SLACK (zstd bombs)
+INFLATION_SLACK = 1 << 20  # honest logs decompress 1.3-7x; a log under 1 MiB decompressed is never refused for it
+MAX_WINDOW = 1 << 23  # zstd window a reader allocates (the writer's level 10 uses 4 MiB)
+_DECODE_CHUNK = 1 << 14  # gap bytes per numpy pass: bounds temporaries; with gaps < 2^48 a pass's sums stay < 2^63
 ZSTD_LEVEL = 10
 
 
@@ -41,7 +49,7 @@ class LogFormatError(ValueError):
     """A rounding log is malformed, truncated, or not the one expected."""
 
 
-@dataclass
+@dataclass(slots=True)
 class OutputEntries:
     shape: tuple
     dir_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -227,28 +235,44 @@ class StepLogWriter:
 class StepLogReader:
     """Reads one step's records in order, without loading the whole file.
 
-    Compressed input is fed to zstd a small chunk at a time, so a hostile file cannot make one read
-    inflate to more than a few megabytes; record sizes are checked before anything is allocated.
+    ``path_or_bytes`` is a path (opened as hostile input: a regular file, no symlink, at most
+    MAX_LOG_BYTES), the log's bytes, or a binary file object (e.g. store.open_run_file's), which
+    ``close()`` closes. Compressed input is fed to zstd a small chunk at a time, and refused once it inflates
+    more than MAX_INFLATION times beyond INFLATION_SLACK, so memory stays a bounded multiple of the bytes
+    read; every declared size is checked before anything is read or allocated, and every position
+    against its output. Every malformed input is a LogFormatError naming the problem.
     """
 
     CHUNK = 128  # compressed bytes per feed: bounds what one zstd call can inflate (a few MB)
 
     def __init__(self, path_or_bytes, expect_step: int | None = None, expect_bits: int | None = None):
-        self.source = path_or_bytes if isinstance(path_or_bytes, str) else "<bytes>"
-        try:
-            self._file = open(path_or_bytes, "rb") if isinstance(path_or_bytes, str) else io.BytesIO(path_or_bytes)
-        except OSError as e:
-            raise LogFormatError(f"cannot open rounding log {self.source}: {e.strerror}") from None
-        if self._file.read(len(MAGIC)) != MAGIC:
-            self._file.close()
+        if isinstance(path_or_bytes, str):
+            self.source = path_or_bytes
+            try:
+                self._file = open_regular_file(path_or_bytes, MAX_LOG_BYTES, "rounding log")
+            except RunFileError as e:
+                raise LogFormatError(f"cannot open rounding log {e}") from None
+        elif isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+            self.source = "<bytes>"
+            self._file = io.BytesIO(path_or_bytes)
+        else:
+            self.source = getattr(path_or_bytes, "path", "<stream>")
+            self._file = path_or_bytes
+        self._in = self._out = 0
+        magic = self._file.read(len(MAGIC))
+        self._in += len(magic)
+        if magic != MAGIC:
+            if isinstance(path_or_bytes, (str, bytes, bytearray, memoryview)):  # what the reader opened
+                self._file.close()
             raise LogFormatError(f"{self.source}: not a veritrain rounding log (bad magic)")
-        self._z = zstandard.ZstdDecompressor().decompressobj()
+        self._z = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompressobj()
         self._buf = bytearray()
         self._pos = 0
         self._names: list[str] = []
         self.totals = StepTotals()
         self.end: StepTotals | None = None
         self.index = 0
+        self._numel_total = 0
         tag = self._read(1)
         if tag != _H:
             raise LogFormatError(f"{self.source}: missing header record")
@@ -262,13 +286,25 @@ class StepLogReader:
         """Decompress one more chunk; False at the end of the input."""
         if self._z.eof:
             return False
-        chunk = self._file.read(self.CHUNK)
+        if self._out > INFLATION_SLACK + MAX_INFLATION * self._in:  # checked when more is needed
+            raise LogFormatError(f"{self.source}: decompresses to {self._out} bytes from {self._in}: more than "
+                                 f"{MAX_INFLATION} times its size (a compression bomb, not a rounding log)")
+        try:
+            chunk = self._file.read(self.CHUNK)
+        except RunFileError as e:
+            raise LogFormatError(f"{self.source}: {e.problem}") from None
         if not chunk:
             raise LogFormatError(f"{self.source}: truncated (the compressed frame is incomplete)")
+        self._in += len(chunk)
+        if self._in > MAX_LOG_BYTES:
+            raise LogFormatError(f"{self.source}: larger than {MAX_LOG_BYTES} bytes")
         try:
             out = self._z.decompress(chunk)
         except zstandard.ZstdError as e:
             raise LogFormatError(f"{self.source}: corrupt compressed data ({e})") from None
+        self._out += len(out)
+        if self._out > MAX_DECODED:
+            raise LogFormatError(f"{self.source}: decompresses to more than {MAX_DECODED} bytes")
         if self._pos > 1 << 16:
             del self._buf[: self._pos]
             self._pos = 0
@@ -279,22 +315,24 @@ class StepLogReader:
         while len(self._buf) - self._pos < n:
             if not self._feed():
                 raise LogFormatError(f"{self.source}: truncated (ended inside a record)")
-        out = bytes(self._buf[self._pos: self._pos + n])
+        out = bytes(memoryview(self._buf)[self._pos: self._pos + n])  # one copy, not two
         self._pos += n
         return out
 
     def _varint(self) -> int:
         shift, value = 0, 0
-        for _ in range(10):
+        for _ in range(MAX_VARINT_BYTES):
             b = self._read(1)[0]
             value |= (b & 0x7F) << shift
             if not b & 0x80:
                 return value
             shift += 7
-        raise LogFormatError(f"{self.source}: varint too long")
+        raise LogFormatError(f"{self.source}: varint longer than 63 bits")
 
     def next_op(self) -> OpRecord | None:
         """The next OP record, or None once END has been read."""
+        if self.end is not None:
+            return None
         while True:
             tag = self._read(1)
             if tag == _N:
@@ -318,7 +356,7 @@ class StepLogReader:
         if nid >= len(self._names):
             raise LogFormatError(f"{self.source}: op refers to unknown name id {nid}")
         n_scalar = self._varint()
-        if n_scalar > 1024:
+        if n_scalar > MAX_SCALARS:
             raise LogFormatError(f"{self.source}: too many scalar entries")
         scalars = []
         for _ in range(n_scalar):
@@ -328,7 +366,7 @@ class StepLogReader:
                 raise LogFormatError(f"{self.source}: scalar direction must be 0 or 1")
             scalars.append((pos, bool(bit)))
         n_out = self._varint()
-        if n_out > 1 << 20:
+        if n_out > MAX_OUTPUTS:
             raise LogFormatError(f"{self.source}: too many outputs in one op")
         outputs = []
         self._op_budget = MAX_OP_BYTES
@@ -340,17 +378,25 @@ class StepLogReader:
             numel = 1
             for d in shape:
                 numel *= d
-                if numel > MAX_NUMEL:
+                if d > MAX_NUMEL or numel > MAX_NUMEL:
                     raise LogFormatError(f"{self.source}: output shape {shape} is too large")
-            o = OutputEntries(shape)
-            o.dir_pos = self._positions(numel)
-            o.dir_bits = np.unpackbits(np.frombuffer(self._read((len(o.dir_pos) + 7) // 8), np.uint8),
-                                       bitorder="little")[:len(o.dir_pos)].astype(bool)
-            o.val_pos = self._positions(numel)
-            o.val_bits = np.frombuffer(self._read(4 * len(o.val_pos)), dtype="<u4").astype(np.uint32)
-            self.totals.n_dir += len(o.dir_pos)
-            self.totals.n_val += len(o.val_pos)
-            outputs.append(o)
+            dir_pos, dir_bits = self._positions(numel), _EMPTY_BITS
+            if len(dir_pos):
+                raw = self._read((len(dir_pos) + 7) // 8)
+                if len(dir_pos) % 8 and raw[-1] >> (len(dir_pos) % 8):
+                    raise LogFormatError(f"{self.source}: direction bits have padding bits set")
+                dir_bits = np.unpackbits(np.frombuffer(raw, np.uint8), count=len(dir_pos), bitorder="little").view(bool)
+            val_pos, val_bits = self._positions(numel), _EMPTY_VALUES
+            if len(val_pos):
+                val_bits = np.frombuffer(self._read(4 * len(val_pos)), dtype="<u4").astype(np.uint32)
+            if len(dir_pos) and len(val_pos):
+                k = np.minimum(np.searchsorted(val_pos, dir_pos), len(val_pos) - 1)
+                if (val_pos[k] == dir_pos).any():
+                    raise LogFormatError(f"{self.source}: a position has both a direction and a value entry")
+            self.totals.n_dir += len(dir_pos)
+            self.totals.n_val += len(val_pos)
+            self._numel_total += numel
+            outputs.append(OutputEntries(shape, dir_pos, dir_bits, val_pos, val_bits))
         self.totals.n_scalar += n_scalar
         self.totals.n_ops += 1
         self.index += 1
@@ -358,20 +404,23 @@ class StepLogReader:
 
     def _positions(self, numel: int) -> np.ndarray:
         count, length = self._varint(), self._varint()
-        if count > numel or length > 10 * count or length < count:
+        if count > numel or length > MAX_VARINT_BYTES * count or length < count:
             raise LogFormatError(f"{self.source}: entry block does not fit its output")
         self._op_budget -= length + 4 * count  # checked before anything is read or allocated
         if self._op_budget < 0:
             raise LogFormatError(f"{self.source}: op record larger than {MAX_OP_BYTES} bytes")
-        pos = gaps_to_positions(decode_varints(self._read(length), count))
-        if count and (pos[-1] >= numel or pos[0] < 0):
-            raise LogFormatError(f"{self.source}: entry position outside its output")
-        return pos
+        if not count:
+            return _EMPTY_POSITIONS
+        buf = self._read(length)
+        try:
+            return decode_positions(buf, count, numel)
+        except LogFormatError as e:
+            raise LogFormatError(f"{self.source}: {e}") from None
 
     def _end(self):
         t = StepTotals(*(self._varint() for _ in range(5)))
-        if (t.n_ops, t.n_dir, t.n_val, t.n_scalar) != (self.totals.n_ops, self.totals.n_dir, self.totals.n_val,
-                                                       self.totals.n_scalar):
+        if (t.n_ops, t.rounded_values, t.n_dir, t.n_val, t.n_scalar) != (
+                self.totals.n_ops, self._numel_total, self.totals.n_dir, self.totals.n_val, self.totals.n_scalar):
             raise LogFormatError(f"{self.source}: END totals do not match the records")
         while self._feed():
             pass
@@ -379,6 +428,7 @@ class StepLogReader:
             raise LogFormatError(f"{self.source}: data after the END record")
         if self._z.unused_data or self._file.read(1):
             raise LogFormatError(f"{self.source}: trailing bytes after the compressed frame")
+        self.totals.rounded_values = t.rounded_values
         self.end = t
 
     def read_all(self) -> list[OpRecord]:
@@ -395,6 +445,55 @@ class StepLogReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+_EMPTY_POSITIONS, _EMPTY_BITS, _EMPTY_VALUES = np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0, np.uint32)
+for _a in (_EMPTY_POSITIONS, _EMPTY_BITS, _EMPTY_VALUES):  # shared by every output without entries
+    _a.flags.writeable = False
+
+
+def decode_positions(buf: bytes, count: int, numel: int) -> np.ndarray:
+    """The ``count`` strictly increasing positions in [0, numel) that the gap block ``buf`` encodes
+    (docs/FORMAT.md). Raises LogFormatError for anything else: a varint that does not end, a gap that
+    leaves the output (checked per value, so sums never wrap), too many or too few values. Works a
+    _DECODE_CHUNK of bytes at a time: besides the result it allocates a bounded amount."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    out = np.empty(count, np.int64)
+    if a.size and a[-1] & 0x80:
+        raise LogFormatError("position block ends inside a varint")
+    done, i, last = 0, 0, -1
+    longest = max(1, ((int(numel) - 1).bit_length() + 6) // 7)  # varint bytes of the largest gap that fits
+    while i < a.size:
+        block = a[i: i + _DECODE_CHUNK]
+        ends = np.flatnonzero(block < 0x80)
+        if not ends.size:
+            raise LogFormatError("varint longer than 63 bits in position block")
+        block = block[: ends[-1] + 1]
+        starts = np.empty_like(ends)
+        starts[0] = 0
+        starts[1:] = ends[:-1] + 1
+        lengths = ends - starts + 1
+        if int(lengths.max()) > longest:
+            raise LogFormatError("entry position outside its output")
+        n = ends.size
+        if done + n > count:
+            raise LogFormatError(f"position block holds more than {count} varints")
+        gaps = np.zeros(n, np.int64)
+        for k in range(int(lengths.max())):
+            m = lengths > k
+            gaps[m] |= (block[starts[m] + k].astype(np.int64) & 0x7F) << (7 * k)
+        if int(gaps.max()) >= numel:
+            raise LogFormatError("entry position outside its output")
+        pos = np.cumsum(gaps + 1) + last  # < numel + n * numel < 2^63: no wrap
+        if int(pos[-1]) >= numel:
+            raise LogFormatError("entry position outside its output")
+        out[done: done + n] = pos
+        done += n
+        last = int(pos[-1])
+        i += block.size
+    if done != count:
+        raise LogFormatError(f"position block holds {done} varints, expected {count}")
+    return out
 
 
 def dense_encoding_bytes(rounded_values: int) -> float:

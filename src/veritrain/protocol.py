@@ -4,38 +4,49 @@ run (the prover) to one interval, one step and one operator, and a referee recom
     phase 1  bisection over the run's Merkle tree      -> the first interval whose leaf differs
     phase 2  bisection over per-step state hashes       -> the first step whose state differs
     phase 3  bisection over per-operator output hashes  -> the first operator whose output differs
-    referee  recomputes that operator on the prover's inputs, checked against agreed hashes, with the
-             trainer's logged rounding decisions for it
+    referee  recomputes that operator alone: its own call (op, non-tensor arguments, random-op index,
+             captured in its own replay), the prover's tensors checked against agreed hashes (or, for
+             the step's data, against that very tensor of batch(step)), the trainer's logged rounding
+             decisions for it
+    suspicious log entries the audit found are disputed the same way: the referee recomputes the op with
+             the trainer's log record and confirms the entry is suspicious
 
 Every answer of the prover is checked against the committed root (or against hashes that were checked
-against it) before it is used; a prover that answers inconsistently, times out or refuses loses.
+against it) before it is used; a prover that answers inconsistently, times out or refuses loses. How
+much work the challenger does (the number of intervals, what it reads) never rests on the prover's word.
 The prover is a ``LocalProver`` (a run directory in this process) or an ``HttpProver`` (``veritrain
 serve``); both implement ``Prover``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
 import tempfile
 import time
 import typing
+from types import SimpleNamespace
 
 import torch
 
 from . import store
 from .checkpoint import CheckpointError, hash_state, load_checkpoint
 from .commitments import batch_hash
-from .engine import EngineConfig, OpTrace, VeritrainError, load_call, step_context
+from .engine import (OpTrace, ReplayMismatchError, VeritrainError, load_call, load_call_tensors,
+                     step_context)
 from .logformat import LogFormatError, StepLogReader
 from .merkle import children, leaf_hash, node_hash, verify_inclusion
 from .rounding import Grid
-from .task import TaskError, build
+from .policy import AdmittedRun, Policy, trusted
 
 
 class ProverError(VeritrainError):
     """The prover failed to answer (timeout, refusal, malformed answer)."""
+
+
+MAX_INTERVALS = 1 << 40  # more intervals than any run this auditor would replay: an absurd claim
+MAX_CLAIMS = 3  # suspicious entries of an audit the referee checks, earliest first
 
 
 # --- replaying a run's steps -------------------------------------------------------------------
@@ -48,16 +59,14 @@ class Replayer:
     the task is this side's own build of the manifest's task, so its ``batch(step)`` is this side's data.
     """
 
-    def __init__(self, manifest: dict, checkpoint, log):
-        self.manifest = manifest
+    def __init__(self, run: AdmittedRun, checkpoint, log):
+        """``run``: the run's settings as this side admits them (the challenger: through its policy;
+        the prover: its own manifest, ``policy.trusted``)."""
+        self.run = run
         self._checkpoint, self._log = checkpoint, log
-        try:
-            self.task = build(manifest["task"], manifest["config"])
-        except TaskError as e:
-            raise store.RunError(f"cannot rebuild the run's task: {e}") from None
-        self.mode, self.bits = manifest["mode"], int(manifest["bits"])
-        self.engine = EngineConfig(mode=self.mode, bits=self.bits, seed=int(manifest["seed"]),
-                                   thresholds=manifest["thresholds"], slack=float(manifest.get("slack", 2.0)))
+        self.task = run.build_task()
+        self.mode, self.bits = run.mode, run.bits
+        self.engine = run.engine()
         self.grid = Grid(self.bits)
         if self.mode == "fp64":
             self.task.model.double()
@@ -187,12 +196,10 @@ class LocalProver(Prover):
         self._traces: dict[int, OpTrace] = {}
 
     def _read(self, name: str) -> bytes:
-        p = os.path.join(self.run_dir, name)
-        try:
-            with open(p, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise ProverError(f"the run has no readable {name} ({e.strerror})") from None
+        try:  # by its canonical name, a regular file inside the run, within its size cap
+            return store.read_run_file(self.run_dir, name)
+        except store.RunFileError as e:
+            raise ProverError(f"the run has no readable {name} ({e.problem})") from None
 
     def manifest(self) -> dict:
         return self._manifest
@@ -218,7 +225,7 @@ class LocalProver(Prover):
 
     def _rep(self) -> Replayer:
         if self._replayer is None:
-            self._replayer = Replayer(self._manifest, self.checkpoint, self.log)
+            self._replayer = Replayer(trusted(self._manifest), self.checkpoint, self.log)
         return self._replayer
 
     def state_after(self, step):
@@ -273,8 +280,9 @@ class _Lost(Exception):
 class Challenger:
     """The auditor's side of the game: its own replay, checked answers, counted queries."""
 
-    def __init__(self, prover: Prover, audit: dict, root: str | None = None):
+    def __init__(self, prover: Prover, audit: dict, root: str | None = None, policy: Policy | None = None):
         self.p = prover
+        self.policy = policy or Policy.from_options(root=root)
         self.audit = audit
         self.queries = 0
         self.bytes = 0
@@ -286,9 +294,30 @@ class Challenger:
         if self.m.get("root") and self.m["root"] != self.root.hex():
             raise _Lost(f"the prover's manifest commits to root {self.m['root'][:16]}…, not the audited "
                         f"root {self.root.hex()[:16]}…")
-        if audit.get("run_sha256") and store.run_sha256(self.m).hex() != audit["run_sha256"]:
+        if not audit.get("run_sha256"):
+            raise store.RunError("the audit does not record which run it audited (no run_sha256): audit again")
+        if store.run_sha256(self.m).hex() != audit["run_sha256"]:
             raise _Lost("the prover's manifest describes another run than the one audited")
-        self.n = len(store.intervals(int(self.m.get("steps_completed", self.m["steps"])), self.m["checkpoint_every"]))
+        try:  # every setting of the replay comes from this side's policy, never from the prover
+            self.run = self.policy.admit(self.m)
+        except store.RunRejected as e:
+            raise _Lost(str(e)) from None
+        self.n = self._interval_count()
+        self._interval = None  # the interval this side replayed last (SimpleNamespace)
+
+    def _interval_count(self) -> int:
+        """The number of intervals, from the committed steps and checkpoint interval as this side's policy
+        admitted them (the audited run description): never from a claim no commitment covers."""
+        steps, every = self.run.steps, self.run.checkpoint_every
+        done = self.m.get("steps_completed", steps)
+        if done != steps or isinstance(done, bool):
+            raise _Lost(f"the prover's manifest announces {str(done)[:40]} completed steps; the run it committed "
+                        f"to (and that was audited) has {steps}")
+        n = 1 if steps == 0 else -(-steps // every) if every > 0 else 0
+        if not 1 <= n <= MAX_INTERVALS:
+            raise _Lost(f"the committed run has {n} intervals ({steps} steps, a checkpoint every {every}): "
+                        f"refused (at most {MAX_INTERVALS})")
+        return n
 
     def ask(self, what: str, fn, *args):
         self.queries += 1
@@ -304,8 +333,19 @@ class Challenger:
 
     def first_disputed_interval(self) -> int | None:
         own = self.audit.get("leaves") or {}
-        own = {int(k): bytes.fromhex(v) for k, v in own.items()}
-        if len(own) == self.n and self.n:
+        try:
+            own = {int(k): bytes.fromhex(v) for k, v in own.items() if v}
+        except (TypeError, ValueError, AttributeError):
+            raise store.RunError("the audit's leaves are malformed") from None
+        if any(not 0 <= i < self.n for i in own):
+            raise store.RunError(f"the audit has leaves for intervals outside the committed run's 0..{self.n - 1}")
+        # audited intervals whose replay stopped before it built a leaf (a log that does not replay, ...)
+        unbuilt = set()
+        for r in self.audit.get("intervals") or []:
+            i = r.get("interval") if isinstance(r, dict) else None
+            if isinstance(i, int) and 0 <= i < self.n and i not in own:
+                unbuilt.add(i)
+        if len(own) == self.n:
             from .merkle import MerkleTree
 
             mine = MerkleTree([own[i] for i in range(self.n)])
@@ -324,9 +364,12 @@ class Challenger:
                 else:
                     lo, hi, expect = c, d, right
             return lo
-        # a partial audit: the first audited interval that differs, checked with an inclusion proof
-        for i in sorted(own):
-            data, proof = self.leaf(i)
+        # a partial audit: the first audited interval that differs (checked with an inclusion proof) or
+        # that the audit could not replay to a leaf
+        for i in sorted(set(own) | unbuilt):
+            if i in unbuilt:
+                return i
+            data = self.leaf(i)
             if leaf_hash(data) != own[i]:
                 return i
         return None
@@ -348,6 +391,8 @@ class Challenger:
             if i is not None:
                 v.update(interval=i, verdict="trainer_wrong")
                 self._dispute_interval(i, v)
+            if v["verdict"] != "trainer_wrong":
+                self._dispute_suspicious(v)
         except _Lost as e:
             v["verdict"] = "trainer_wrong"
             v["reasons"].append(e.why)
@@ -356,91 +401,259 @@ class Challenger:
         v["seconds"] = time.perf_counter() - t0
         return v
 
-    def _dispute_interval(self, i: int, v: Verdict):
-        info = store.parse_leaf(self.leaf(i))
+    @contextlib.contextmanager
+    def _replaying(self, what: str):
+        """This side's replay of the trainer's committed files: files that do not replay (a checkpoint
+        that does not hold its committed state, a log that is malformed or names other ops) lose."""
+        try:
+            yield
+        except (store.RunError, ReplayMismatchError, LogFormatError) as e:
+            raise _Lost(f"{what}: the trainer's committed files do not replay ({e})") from None
+
+    def _span(self, i: int) -> tuple[int, int]:
+        every, steps = self.run.checkpoint_every, self.run.steps
+        return (0, 0) if steps == 0 else (i * every, min(i * every + every, steps))
+
+    def _replay_interval(self, i: int) -> SimpleNamespace:
+        """Leaf i (with its inclusion proof), the trainer's records and logs for its steps (each checked
+        against the leaf), and this side's replay of the interval from its agreed checkpoint."""
+        if self._interval is not None and self._interval.i == i:
+            return self._interval
+        self._interval = None
+        try:
+            info = store.parse_leaf(self.leaf(i))
+        except store.RunError as e:
+            raise _Lost(f"the trainer committed a malformed leaf {i} ({e})") from None
         if info["run_sha256"] != store.run_sha256(self.m).hex():
             raise _Lost(f"leaf {i} commits to another run description than the prover's manifest")
-        a, b = info["first_step"], info["end_step"]
-        start_state = self.m.get("initial_state_sha256") if i == 0 else store.parse_leaf(self.leaf(i - 1))["state_sha256"]
-        # the trainer's records and logs for the interval, each checked against the leaf
+        a, b = self._span(i)
+        if (info["interval"], info["first_step"], info["end_step"]) != (i, a, b):
+            raise _Lost(f"leaf {i} covers steps [{info['first_step']}, {info['end_step']}), the committed run's "
+                        f"interval {i} is steps [{a}, {b})")
+        if i == 0:
+            start_state = self.m.get("initial_state_sha256")
+        else:
+            try:
+                start_state = store.parse_leaf(self.leaf(i - 1))["state_sha256"]
+            except store.RunError as e:
+                raise _Lost(f"the trainer committed a malformed leaf {i - 1} ({e})") from None
         records, logs = {}, {}
         for s, h in zip(range(a, b), info["records"]):
             raw = self.ask(f"record {s}", self.p.record, s)
             if hashlib.sha256(raw).hexdigest() != h:
                 raise _Lost(f"the prover's data record for step {s} does not match leaf {i}")
-            records[s] = json.loads(raw)
-        rep = Replayer(self.m, self._checked_checkpoint(start_state, a), self._checked_log(records, logs))
-        rep.load(a, start_state)
-        mine = {}
-        data_finding = None
-        for s in range(a, b):
-            loss, batch = rep.run_step(s)
-            mine[s] = rep.state_hash()
-            if data_finding is None and records[s].get("batch_sha256") != batch_hash(batch):
-                data_finding = s
-        v["interval_replay_ops"] = rep.ops_replayed
-        if data_finding is not None:
-            v["reasons"].append(f"step {data_finding}: the trainer's data record differs from what the task's "
-                                f"batch({data_finding}) yields (it trained on other data than it claims)")
-            v["data_step"] = data_finding
+            try:
+                records[s] = json.loads(raw)
+            except (ValueError, RecursionError):
+                records[s] = None
+            if not isinstance(records[s], dict):
+                raise _Lost(f"the trainer committed a malformed data record for step {s}")
+        rep = Replayer(self.run, self._checked_checkpoint(start_state, a), self._checked_log(records, logs))
+        states, data_finding = {}, None
+        with self._replaying(f"interval {i}"):
+            rep.load(a, start_state)
+            for s in range(a, b):
+                loss, batch = rep.run_step(s)
+                states[s] = rep.state_hash()
+                if data_finding is None and records[s].get("batch_sha256") != batch_hash(batch):
+                    data_finding = s
+        self._interval = SimpleNamespace(i=i, a=a, b=b, info=info, start=start_state, records=records, logs=logs,
+                                         rep=rep, states=states, data_finding=data_finding,
+                                         replay_ops=rep.ops_replayed)
+        return self._interval
+
+    def _dispute_interval(self, i: int, v: Verdict):
+        c = self._replay_interval(i)
+        a, b = c.a, c.b
+        v["interval_replay_ops"] = c.replay_ops
+        if c.data_finding is not None:
+            s = c.data_finding
+            v["reasons"].append(f"step {s}: the trainer's data record differs from what the task's "
+                                f"batch({s}) yields (it trained on other data than it claims)")
+            v["data_step"] = s
+        if a == b:
+            v["verdict"] = "auditor_wrong"
+            v["reasons"].append(f"interval {i} has no steps: its leaf commits to the agreed initial state")
+            return
         # phase 2: the first step whose state differs
         last = self.ask(f"state after step {b - 1}", self.p.state_after, b - 1)
-        if last != info["state_sha256"]:
-            raise _Lost(f"the prover's replay of step {b - 1} ends in {last[:16]}…, its leaf commits to "
-                        f"{info['state_sha256'][:16]}…")
-        if mine[b - 1] == last:
-            if data_finding is None:
+        if last != c.info["state_sha256"]:
+            raise _Lost(f"the prover's replay of step {b - 1} ends in {str(last)[:16]}…, its leaf commits to "
+                        f"{c.info['state_sha256'][:16]}…")
+        if c.states[b - 1] == last:
+            if c.data_finding is None:
                 v["verdict"] = "auditor_wrong"
                 v["reasons"].append(f"interval {i}: this replay reaches the committed state; the audit's leaf was wrong")
-            v["step"] = data_finding
+            v["step"] = c.data_finding
             return
-        lo, hi = a - 1, b - 1  # state after lo agreed (a - 1: the interval's start), after hi disputed
+        step = self._first_disputed_step(c, a - 1, b - 1)
+        v["step"] = step
+        # phase 3 and the referee
+        self._dispute_step(c, step, v)
+        if c.data_finding is not None and v["verdict"] != "trainer_wrong":
+            v["verdict"] = "trainer_wrong"  # its own committed record says it consumed other data
+            v["reasons"].append(f"step {c.data_finding}: the trainer's committed data record is not what "
+                                f"batch({c.data_finding}) yields, whatever the referee found at step {step}")
+
+    def _first_disputed_step(self, c: SimpleNamespace, lo: int, hi: int) -> int:
+        """Bisection over per-step state hashes: the state after ``lo`` is agreed (``c.a - 1``: the
+        interval's checkpoint), the one after ``hi`` disputed. ``log2`` queries."""
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.ask(f"state after step {mid}", self.p.state_after, mid) == mine[mid]:
+            if self.ask(f"state after step {mid}", self.p.state_after, mid) == c.states[mid]:
                 lo = mid
             else:
                 hi = mid
-        step = hi
-        v["step"] = step
-        # phase 3: the first operator whose output differs
-        rep.goto(a, step, start_state)
-        trace = OpTrace()
-        rep.run_step(step, trace)
-        n_prover = self.ask(f"op count of step {step}", self.p.op_count, step)
-        n = min(n_prover, len(trace.entries))
-        lo, hi = 0, None
-        if n_prover != len(trace.entries):
-            v["reasons"].append(f"step {step}: the prover ran {n_prover} operators, this replay {len(trace.entries)}")
-        # find the first index whose outputs differ (indices 1..n), by bisection
-        first_bad = None
-        left, right = 1, n
+        return hi
+
+    def _op(self, step: int, index: int) -> dict:
+        e = self.ask(f"op {index} of step {step}", self.p.op, step, index)
+        if not isinstance(e, dict):
+            raise _Lost(f"the prover's op {index} of step {step} is not a JSON object")
+        return e
+
+    def _dispute_step(self, c: SimpleNamespace, step: int, v: Verdict, upto: int | None = None):
+        """Phase 3 on ``step``, whose state before is agreed: bisection over the running hash of the two
+        sides' op traces (over ops 1..``upto`` when given), then the referee on the first op that differs.
+        Returns ("ruled", ...) when the referee ruled (into ``v``), ("agree", trace, answers) when every
+        op through ``upto`` agrees, ("none", ...) when there is nothing to rule on."""
+        rep = c.rep
+        trace = OpTrace(capture=upto)
+        with self._replaying(f"step {step}"):
+            rep.goto(c.a, step, c.start)
+            rep.run_step(step, trace)
+        entries = trace.entries
+        if upto is None:
+            n_prover = self.ask(f"op count of step {step}", self.p.op_count, step)
+            if not isinstance(n_prover, int):
+                raise _Lost(f"the prover's op count of step {step} is not a number")
+            n = min(n_prover, len(entries))
+            if n_prover != len(entries):
+                v["reasons"].append(f"step {step}: the prover ran {n_prover} operators, this replay {len(entries)}")
+        elif not 1 <= upto <= len(entries):
+            return "none", trace, {}
+        else:
+            n = n_prover = upto
+        # the first index whose running hash differs (indices 1..n), by bisection; every answer is kept
+        answers, first_bad, left, right = {}, None, 1, n
         while left <= right:
             mid = (left + right) // 2
-            theirs = self.ask(f"op {mid} of step {step}", self.p.op, step, mid)
-            if theirs.get("chain") != trace.entries[mid - 1]["chain"]:
+            answers[mid] = self._op(step, mid)
+            if answers[mid].get("chain") != entries[mid - 1]["chain"]:
                 first_bad, right = mid, mid - 1
             else:
                 left = mid + 1
         if first_bad is None:
-            if n_prover != len(trace.entries):
-                first_bad = n + 1 if n < len(trace.entries) else None
-            if first_bad is None:
+            if upto is not None:
+                return "agree", trace, answers
+            if n_prover < len(entries):
+                first_bad = n + 1  # the prover claims fewer ops than the replay runs: it must show op n + 1
+            else:
                 v["reasons"].append(f"step {step}: every operator agrees but the states differ")
+                return "none", trace, answers
+        mine = entries[first_bad - 1]
+        theirs = answers[first_bad] if first_bad in answers else self._op(step, first_bad)
+        v.update(operator=mine["op"], operator_index=first_bad, module=mine.get("where"))
+        own_call = trace.captured if upto == first_bad else self._own_call(c, step, first_bad, mine)
+        prev = entries[first_bad - 2]["chain"] if first_bad > 1 else ""
+        self._apply(v, referee(self, rep, step, first_bad, mine, theirs, c.logs.get(step), own_call, prev))
+        return "ruled", trace, answers
+
+    def _own_call(self, c: SimpleNamespace, step: int, index: int, mine: dict) -> bytes:
+        """This side's own call of op ``index`` of ``step`` (its non-tensor arguments, random-op index and
+        tensors), captured in a replay of the step."""
+        cap = OpTrace(capture=index)
+        with self._replaying(f"step {step}"):
+            c.rep.goto(c.a, step, c.start)
+            c.rep.run_step(step, cap)
+        if cap.captured is None or len(cap.entries) < index or cap.entries[index - 1]["chain"] != mine["chain"]:
+            raise VeritrainError(f"step {step}: two replays of this side disagree at op {index} (a nondeterministic "
+                                 f"replay); the referee cannot rule")
+        return cap.captured
+
+    @staticmethod
+    def _apply(v: Verdict, ruling: dict):
+        notes = ruling.pop("notes", [])
+        v.update({k: x for k, x in ruling.items() if k != "verdict" or x is not None})
+        v["reasons"].extend(notes)
+
+    # suspicious entries -------------------------------------------------------------------------------
+
+    def _suspicious_claims(self) -> list[dict]:
+        """Where the audit found suspicious log entries (step, op index, output slot, position, kind),
+        earliest first."""
+        out, seen = [], set()
+        for r in self.audit.get("intervals") or []:
+            for d in (r.get("suspicious_details") or []) if isinstance(r, dict) else []:
+                try:
+                    claim = {k: int(d[k]) for k in ("step", "op_index", "slot", "position")}
+                    claim["kind"], claim["op"] = str(d["kind"]), str(d.get("op") or "")
+                except (KeyError, TypeError, ValueError):
+                    continue
+                key = tuple(claim.values())
+                if 0 <= claim["step"] < self.run.steps and claim["op_index"] >= 1 and key not in seen:
+                    seen.add(key)
+                    out.append(claim)
+        return sorted(out, key=lambda c: (c["step"], c["op_index"], c["slot"], c["position"]))
+
+    def _dispute_suspicious(self, v: Verdict):
+        """The audit rejected for suspicious log entries: the referee recomputes the op of one of them
+        with the trainer's log record and confirms it (the trainer loses) or does not."""
+        claims = self._suspicious_claims()
+        if not claims:
+            return
+        for claim in claims[:MAX_CLAIMS]:
+            w = Verdict(verdict=None, interval=claim["step"] // self.run.checkpoint_every, step=claim["step"],
+                        operator=None, module=None, reasons=[], referee_ops=0, referee_bytes=0)
+            self._dispute_claim(claim, w)
+            w["interval_replay_ops"] = self._interval.replay_ops if self._interval is not None else 0
+            where = f"step {claim['step']}, op #{claim['op_index']}, output {claim['slot']}, position {claim['position']}"
+            if w["verdict"] == "trainer_wrong":
+                v["reasons"] += [r for r in w.pop("reasons")]
+                if v["verdict"] == "auditor_wrong":
+                    v["reasons"].append(f"(the interval dispute was ruled for the trainer: {v.get('ruling')})")
+                v.update(w, suspicious_entry=claim)
                 return
-        mine_op = trace.entries[first_bad - 1]
-        theirs = self.ask(f"op {first_bad} of step {step}", self.p.op, step, first_bad)
-        v["operator"] = mine_op["op"]
-        v["operator_index"] = first_bad
-        v["module"] = mine_op.get("where")
-        ruling = referee(self, rep, step, first_bad, mine_op, theirs, logs[step] if step in logs else None)
-        v.update(ruling)
+            v["reasons"].append(f"the audit's suspicious entry at {where} is not confirmed: "
+                                f"{w.get('ruling') or '; '.join(w['reasons']) or 'no ruling'}")
+        if v["verdict"] == "no_dispute":
+            v["verdict"] = "auditor_wrong"
+            v["reasons"].append("none of the audit's suspicious entries that the referee checked is confirmed")
+
+    def _dispute_claim(self, claim: dict, w: Verdict):
+        s, k = claim["step"], claim["op_index"]
+        c = self._replay_interval(s // self.run.checkpoint_every)
+        if s > c.a:  # the state before the step must be agreed; if not, the dispute is about an earlier step
+            theirs = self.ask(f"state after step {s - 1}", self.p.state_after, s - 1)
+            if theirs != c.states[s - 1]:
+                t = self._first_disputed_step(c, c.a - 1, s - 1)
+                w.update(step=t, verdict="trainer_wrong")
+                self._dispute_step(c, t, w)
+                return
+        status, trace, answers = self._dispute_step(c, s, w, upto=k)
+        if status == "none":
+            w["ruling"] = f"this side's replay of step {s} has no op #{k}"
+            return
+        if status == "ruled":
+            return
+        mine = trace.entries[k - 1]
+        if claim["op"] and claim["op"] != mine["op"]:
+            w["ruling"] = f"op #{k} of step {s} is {mine['op']}, not {claim['op']}"
+            return
+        w.update(operator=mine["op"], operator_index=k, module=mine.get("where"))
+        prev = trace.entries[k - 2]["chain"] if k > 1 else ""
+        self._apply(w, referee_suspicious(self, c.rep, s, k, mine, answers[k], c.logs.get(s), trace.captured,
+                                          prev, claim))
 
     def _checked_checkpoint(self, start_state, first_step):
+        kept = {}
+
         def get(step):
             if step != first_step:
                 raise RuntimeError("the challenger only loads the interval's agreed checkpoint")
-            return self.ask(f"checkpoint {step}", self.p.checkpoint, step)
+            if step not in kept:  # checked against the agreed state hash each time it is loaded
+                kept[step] = self.ask(f"checkpoint {step}", self.p.checkpoint, step)
+            return kept[step]
         return get
 
     def _checked_log(self, records, logs):
@@ -458,67 +671,174 @@ class Challenger:
 # --- the referee -------------------------------------------------------------------------------
 
 
-def referee(ch: Challenger, rep: Replayer, step: int, index: int, mine: dict, theirs: dict, log: bytes | None) -> dict:
-    """Recompute operator ``index`` of ``step`` alone and rule. Its inputs come from the prover; each is
-    checked against an input hash both parties agree on, or (for the step's data) against batch(step)."""
-    out = {"referee_ops": 0, "referee_bytes": 0}
+def _checked_inputs(ch: Challenger, step: int, index: int, mine: dict, theirs: dict, prev_chain: str, out: dict):
+    """The prover's tensor inputs for op ``index``: its entry must hash into the running hash it answered
+    with (so it binds the inputs, arguments and outputs the bisection compared), name the same op, and
+    the tensors it sends must have the digests it claimed. Returns the tensors, or a ruling."""
+    def lose(why):
+        return {**out, "verdict": "trainer_wrong", "ruling": why}
+
+    if OpTrace.link(prev_chain, theirs) != theirs.get("chain"):
+        return lose(f"the prover's entry for op {index} of step {step} does not hash to the running hash it "
+                    f"answered with (an inconsistent answer)")
+    if theirs.get("op") != mine["op"]:
+        return lose(f"the prover's op {index} is {str(theirs.get('op'))[:80]}, the replay runs {mine['op']}")
     payload = ch.ask(f"inputs of op {index} of step {step}", ch.p.op_inputs, step, index)
-    out["referee_bytes"] = len(payload) + (len(log) if log else 0)
+    out["referee_bytes"] += len(payload)
     try:
-        func, args, kwargs, random_index, tensors = load_call(payload)
+        sent = load_call_tensors(payload)
     except Exception as e:  # noqa: BLE001 - any malformed payload is the prover's fault
-        out["verdict"] = "trainer_wrong"
-        out.setdefault("reasons", []).append(f"the prover's inputs for op {index} are malformed ({e})")
-        return out
-    reasons = []
-    sent = [_digest(t) for t in tensors]
-    if sent != theirs.get("inputs"):
+        return lose(f"the prover's inputs for op {index} are malformed ({str(e)[:200]})")
+    if [_digest(t) for t in sent] != theirs.get("inputs"):
+        return lose(f"the prover sent inputs for op {index} that differ from the ones it claimed")
+    return sent
+
+
+def referee(ch: Challenger, rep: Replayer, step: int, index: int, mine: dict, theirs: dict, log: bytes | None,
+            own_call: bytes, prev_chain: str = "") -> dict:
+    """Rule on op ``index`` of ``step``, the first whose running hash differs, by recomputing it alone.
+
+    The call is this side's own (``own_call``, captured in its replay: the op, its non-tensor arguments
+    and random-op index); the prover's payload supplies only tensors, each checked against the digest it
+    claimed. An input whose digest both sides agree on is trusted (an earlier agreed op's output, or
+    agreed state). A disputed input that this side's trace names as the step's data (``batch:NAME``) must
+    be exactly the tensor ``batch(step)`` yields under that name; any other disputed input is ruled
+    against the trainer. The op is then recomputed with the trainer's logged rounding decisions for it,
+    and the party whose output it reproduces is right."""
+    out = {"referee_ops": 0, "referee_bytes": len(log) if log else 0}
+    sent = _checked_inputs(ch, step, index, mine, theirs, prev_chain, out)
+    if isinstance(sent, dict):
+        return sent
+    func, args, kwargs, random_index, own = load_call(own_call)
+    if len(sent) != len(own) or len(own) != len(mine["inputs"]):
         return {**out, "verdict": "trainer_wrong",
-                "reasons_referee": f"the prover sent inputs for op {index} that differ from the ones it claimed"}
-    if str(func) != mine["op"] or theirs.get("op") != mine["op"]:
-        return {**out, "verdict": "trainer_wrong",
-                "reasons_referee": f"the prover's op {index} is {theirs.get('op')}, the replay runs {mine['op']}"}
-    for j, (d_p, d_c, src) in enumerate(zip(theirs["inputs"], mine["inputs"], mine.get("sources", []))):
+                "ruling": f"the prover sent {len(sent)} tensor inputs for {mine['op']}, which takes {len(own)}"}
+    notes = []
+    if theirs.get("args") != mine.get("args"):
+        notes.append(f"op {index} of step {step}: the prover's trace binds other non-tensor arguments of "
+                     f"{mine['op']} than this side's replay (the referee uses its own)")
+    if theirs.get("random_index") != mine.get("random_index"):
+        notes.append(f"op {index} of step {step}: the prover's trace gives random-op index "
+                     f"{str(theirs.get('random_index'))[:20]}, this side's replay {mine.get('random_index')}")
+    inputs, data_wrong, disputed, batch = [], None, [], None
+    sources = mine.get("sources") or [None] * len(own)
+    for j, (t, d_p, d_c, src) in enumerate(zip(sent, theirs["inputs"], mine["inputs"], sources)):
         if d_p == d_c:
+            inputs.append(t)
             continue
-        # a disputed input that is not the output of an earlier (agreed) operator: the step's data or state
-        if src and src.startswith("batch"):
-            own = {_digest(t) for t in batch_leaves(rep.batch(step)).values()}
-            out["referee_ops"] = 0
-            if d_p not in own:
-                return {**out, "verdict": "trainer_wrong", "input": j,
-                        "ruling": f"input {j} of {mine['op']} is not the tensor batch({step}) yields: the trainer "
-                                  f"trained step {step} on other data than the task's"}
-            return {**out, "verdict": "auditor_wrong", "input": j,
-                    "ruling": f"input {j} of {mine['op']} is the tensor batch({step}) yields"}
-        reasons.append(f"input {j} ({src or 'unknown source'}) differs")
-    if reasons:
-        return {**out, "verdict": "trainer_wrong", "ruling": "; ".join(reasons) +
-                " although the state before the step is agreed"}
-    digests = recompute(rep, step, index, func, args, kwargs, random_index, log)
+        if isinstance(src, str) and src.startswith("batch:"):
+            name = src[len("batch:"):]
+            if batch is None:
+                batch = batch_leaves(rep.batch(step))
+            truth = batch.get(name)
+            if truth is not None and _digest(truth) == d_p:
+                inputs.append(t)  # exactly that tensor of batch(step): this side's input was the wrong one
+                continue
+            if data_wrong is None:
+                data_wrong = (j, name)
+            inputs.append(truth if truth is not None else own[j])
+            continue
+        disputed.append(f"input {j} ({src or 'unknown source'})")
+        inputs.append(own[j])
+    try:
+        digests = recompute(rep, step, index, func, *_with_tensors(args, kwargs, inputs), random_index, log)
+    except (ReplayMismatchError, LogFormatError) as e:
+        return {**out, "verdict": "trainer_wrong", "notes": notes,
+                "ruling": f"the trainer's log has no usable record for op {index} of step {step} ({e})"}
     out["referee_ops"] = 1
+    gives = ("the auditor's" if digests == mine["outputs"] else
+             "the trainer's" if digests == theirs.get("outputs") else "neither party's")
+    if data_wrong is not None:
+        j, name = data_wrong
+        return {**out, "verdict": "trainer_wrong", "input": j, "notes": notes,
+                "ruling": f"input {j} of {mine['op']} is not the tensor batch({step}) yields at {name}: the trainer "
+                          f"trained step {step} on other data than the task's (recomputed on that tensor, the op "
+                          f"gives {gives} output)"}
+    if disputed:
+        return {**out, "verdict": "trainer_wrong", "notes": notes,
+                "ruling": "; ".join(disputed) + " of " + mine["op"] + " differ(s) from this side's although the "
+                          "state before the step is agreed"}
     if digests == theirs.get("outputs") and digests != mine["outputs"]:
-        return {**out, "verdict": "auditor_wrong", "ruling": f"{mine['op']} recomputed gives the trainer's output"}
+        return {**out, "verdict": "auditor_wrong", "notes": notes,
+                "ruling": f"{mine['op']} recomputed gives the trainer's output"}
+    return {**out, "verdict": "trainer_wrong", "notes": notes,
+            "ruling": f"{mine['op']} recomputed on the agreed inputs with the referee's own arguments and the logged "
+                      f"rounding decisions gives {gives} output"}
+
+
+def referee_suspicious(ch: Challenger, rep: Replayer, step: int, index: int, mine: dict, theirs: dict,
+                       log: bytes | None, own_call: bytes, prev_chain: str, claim: dict) -> dict:
+    """Confirm the audit's claim that the trainer's log entry for op ``index`` of ``step`` (output
+    ``claim['slot']``, position ``claim['position']``) is suspicious: both sides agree on every op through
+    this one, so the referee recomputes it alone (its own call, the prover's checked tensors) with the
+    trainer's log record and looks at what the engine flags. ``verdict`` is None when not confirmed."""
+    out = {"referee_ops": 0, "referee_bytes": len(log) if log else 0}
+    sent = _checked_inputs(ch, step, index, mine, theirs, prev_chain, out)
+    if isinstance(sent, dict):
+        return sent
+    func, args, kwargs, random_index, own = load_call(own_call)
+    if len(sent) != len(own) or len(own) != len(mine["inputs"]):
+        return {**out, "verdict": "trainer_wrong",
+                "ruling": f"the prover sent {len(sent)} tensor inputs for {mine['op']}, which takes {len(own)}"}
+    # every op before this one agrees (their outputs and arguments are bound by the running hash): an input
+    # whose digest still differs is not one the op reads (uninitialised memory it overwrites): this side's
+    sent = [t if d_p == d_c else mine_t for t, d_p, d_c, mine_t in zip(sent, theirs["inputs"], mine["inputs"], own)]
+    if log is None:
+        return {**out, "verdict": None, "ruling": "the run has no rounding logs"}
+    try:
+        digests, flagged = recompute_op(rep, step, index, func, *_with_tensors(args, kwargs, sent), random_index, log)
+    except (ReplayMismatchError, LogFormatError) as e:
+        return {**out, "verdict": "trainer_wrong",
+                "ruling": f"the trainer's log has no usable record for op {index} of step {step} ({e})"}
+    out["referee_ops"] = 1
+    key = (claim["slot"], claim["position"], claim["kind"])
+    hit = next((x for x in flagged if (x.slot, x.position, x.kind) == key), None)
+    if hit is None:
+        return {**out, "verdict": None,
+                "ruling": f"{mine['op']} recomputed with the trainer's log record flags no {claim['kind']} entry at "
+                          f"output {claim['slot']}, position {claim['position']}"}
     return {**out, "verdict": "trainer_wrong",
-            "ruling": f"{mine['op']} recomputed on the agreed inputs with the logged rounding decisions "
-                      f"gives {'the auditor' if digests == mine['outputs'] else 'neither party'}'s output"}
+            "ruling": f"{mine['op']} (op {index} of step {step}) recomputed on the agreed inputs with the trainer's "
+                      f"log record: its {hit.kind} entry at output {hit.slot}, position {hit.position} is suspicious "
+                      f"({hit.detail})"}
 
 
-def recompute(rep: Replayer, step: int, index: int, func, args, kwargs, random_index: int, log: bytes | None):
-    """Evaluate one operator under the engine, positioned at op ``index`` of ``step`` with its log record."""
+def _with_tensors(args, kwargs, tensors):
+    """(args, kwargs) of a call with its tensor arguments replaced, in order."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    leaves, spec = tree_flatten((args, kwargs))
+    it = iter(tensors)
+    leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+    a, k = tree_unflatten(leaves, spec)
+    return tuple(a), dict(k)
+
+
+def recompute_op(rep: Replayer, step: int, index: int, func, args, kwargs, random_index: int, log: bytes | None):
+    """Evaluate one operator under the engine, positioned at op ``index`` of ``step`` with its log record.
+    Returns (output digests, the suspicious entries the engine flagged)."""
     record = None
     if log is not None:
         reader = StepLogReader(log, expect_step=step, expect_bits=rep.bits)
-        for _ in range(index):
-            record = reader.next_op()
-        reader.close()
+        try:
+            for _ in range(index):
+                record = reader.next_op()
+                if record is None:
+                    break
+        finally:
+            reader.close()
     trace = OpTrace()
-    with step_context(rep.engine, step, reader=_OneRecord(record) if record is not None else None,
+    with step_context(rep.engine, step, reader=_OneRecord(record) if log is not None else None,
                       trace=trace, check_trailing=False) as mode:
         mode.op_index = index - 1
         mode.random_index = random_index
         func(*args, **kwargs)
-    return trace.entries[-1]["outputs"] if trace.entries else None
+    return (trace.entries[-1]["outputs"] if trace.entries else None), list(mode.stats.suspicious)
+
+
+def recompute(rep: Replayer, step: int, index: int, func, args, kwargs, random_index: int, log: bytes | None):
+    """The output digests of one operator evaluated alone (``recompute_op``)."""
+    return recompute_op(rep, step, index, func, args, kwargs, random_index, log)[0]
 
 
 class _OneRecord:

@@ -28,8 +28,9 @@ from .engine import EngineConfig, ReplayMismatchError, UnsupportedOpError, step_
 from .logformat import LogFormatError, StepLogReader, StepLogWriter
 from .merkle import leaf_hash, verify_inclusion
 from .rounding import Grid
-from .store import (MANIFEST, FORMAT, RunError, ckpt_name, file_sha256, load_manifest, log_name, record_name,
-                    write_json_atomic)
+from .policy import AdmittedRun, Policy
+from .store import (INIT_LOG, MANIFEST, FORMAT, RunError, RunRejected, ckpt_name, file_sha256, load_manifest,
+                    log_name, record_name, write_json_atomic)
 from .task import Task, TaskError, build, default_config, source_hash
 
 __all__ = ["MANIFEST", "FORMAT", "RunError", "ckpt_name", "log_name", "record_name", "write_json_atomic",
@@ -97,6 +98,31 @@ class TrainOptions:
     resume: bool = False
 
 
+def build_initial(ref: str, config: dict, engine: EngineConfig, writer=None, reader=None) -> Task:
+    """Build the task under the engine, so that its initial state is the same on every machine: random
+    initialisation draws from the counter-based generator (domain "init"), float ops are rounded to the
+    grid, and near-midpoint decisions go to the initialisation log (``writer``) or come from it
+    (``reader``). The auditor rebuilds the initial state this way instead of believing the trainer's."""
+    with step_context(engine, 0, writer=writer, reader=reader, domain="init") as mode:
+        task = build(ref, config)
+    task.init_stats = mode.stats
+    return task
+
+
+def _init_log_reader(run_dir: str, m: dict) -> StepLogReader:
+    """The run's initialisation log, checked against the hash the manifest commits to."""
+    p = os.path.join(run_dir, INIT_LOG)
+    raw = store.read_run_file(run_dir, INIT_LOG, store.MAX_LOG_BYTES)
+    if hashlib.sha256(raw).hexdigest() != m.get("init_log_sha256"):
+        raise RunRejected(f"{p} is not the initialisation log the run commits to (altered, truncated or replaced)")
+    try:
+        reader = StepLogReader(raw, expect_step=0, expect_bits=int(m["bits"]))
+    except LogFormatError as e:
+        raise RunRejected(f"{p}: {e}") from None
+    reader.source = p
+    return reader
+
+
 def _check_new_run_dir(path: str):
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise RunError(f"{path} already exists and is not empty; choose a new --out (nothing was overwritten)")
@@ -121,15 +147,24 @@ def _resume_state(opts: TrainOptions):
     if source_hash(m["task"]) != m.get("task_source_sha256"):
         raise RunError(f"the source of task {m['task']} changed since the run started; resume with the same code")
     gone = store.remove_stray_temporaries(opts.out)
-    task = build(m["task"], m["config"])
+    engine = EngineConfig(mode=m["mode"], bits=int(m["bits"]), seed=int(m["seed"]), thresholds=m["thresholds"],
+                          slack=float(m.get("slack", 2.0)))
+    reader = _init_log_reader(opts.out, m) if m["mode"] == "verified" else None
+    try:
+        task = build_initial(m["task"], m["config"], engine, reader=reader)
+    finally:
+        if reader is not None:
+            reader.close()
     grid = Grid(int(m["bits"]))
     _prepare_model(task, m["mode"], grid)
     last = m["checkpoints"][-1]
-    path = os.path.join(opts.out, last["file"])
-    if not os.path.exists(path) or file_sha256(path) != last.get("file_sha256"):
-        raise RunError(f"{last['file']}, the run's last committed checkpoint, is missing or altered; cannot resume")
-    try:
-        step, h = load_checkpoint(path, task.model, task.optimizer, task.scheduler)
+    try:  # read by its canonical name, as a regular file inside the run (store.open_run_file)
+        if store.run_file_sha256(opts.out, ckpt_name(last["step"])) != last.get("file_sha256"):
+            raise RunError(f"{last['file']}, the run's last committed checkpoint, is altered; cannot resume")
+        with store.open_run_file(opts.out, ckpt_name(last["step"])) as f:
+            step, h = load_checkpoint(f, task.model, task.optimizer, task.scheduler)
+    except store.RunFileError as e:
+        raise RunError(f"{last['file']}, the run's last committed checkpoint, {e.problem}; cannot resume") from None
     except CheckpointError as e:
         raise RunError(str(e)) from None
     if h != last["state_sha256"] or step != last["step"]:
@@ -160,11 +195,26 @@ def train(opts: TrainOptions, probe=None) -> dict:
         _check_new_run_dir(opts.out)
         config = {**default_config(opts.task), **opts.config}
         engine = EngineConfig(mode=opts.mode, bits=opts.bits, seed=opts.seed, thresholds=dict(opts.thresholds or {}))
-        task = build(opts.task, config)
         mode, bits = opts.mode, opts.bits
-        _prepare_model(task, mode, Grid(bits))
+        created = not os.path.exists(opts.out)
         os.makedirs(opts.out, exist_ok=True)
+        init_writer = StepLogWriter(os.path.join(opts.out, INIT_LOG), 0, bits) if mode == "verified" else None
+        try:
+            task = build_initial(opts.task, config, engine, writer=init_writer)
+            init_log = init_writer.close() if init_writer else None
+        except BaseException:
+            if init_writer:
+                init_writer.abort()
+            # nothing of the run exists yet: leave the folder as it was, so the same command can be rerun
+            import shutil
+
+            shutil.rmtree(os.path.join(opts.out, "logs"), ignore_errors=True)
+            if created:
+                shutil.rmtree(opts.out, ignore_errors=True)
+            raise
+        _prepare_model(task, mode, Grid(bits))
         m = _new_manifest(opts, config, engine)
+        m["init_log_sha256"] = init_log["sha256"] if init_log else None
         digest = save_checkpoint(os.path.join(opts.out, ckpt_name(0)), task.model, task.optimizer, task.scheduler, 0)
         m["checkpoints"].append({"step": 0, "file": ckpt_name(0), "state_sha256": digest,
                                  "file_sha256": file_sha256(os.path.join(opts.out, ckpt_name(0)))})
@@ -209,6 +259,8 @@ def train(opts: TrainOptions, probe=None) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
     bar.close()
+    if steps == 0:  # one empty interval: the root commits to the initial state
+        m["leaves"] = [store.leaf_data(0, 0, 0, run_sha, m["initial_state_sha256"], []).hex()]
     m["train_seconds"] = m.get("train_seconds", 0.0) + (time.perf_counter() - t_loop)  # not committed: informational
     m["steps_completed"] = steps
     m["root"] = store.tree_of([bytes.fromhex(x) for x in m["leaves"]]).root().hex()
@@ -238,6 +290,9 @@ class AuditResult:
     hardware: dict
     root: str
     leaves: dict
+    sample_seed: int | None = None
+    freedom: dict = field(default_factory=dict)
+    unverified: dict = field(default_factory=dict)
 
     def as_dict(self):
         return dict(self.__dict__)
@@ -288,53 +343,62 @@ def _load_audit_progress(out_dir: str, root: str) -> dict | None:
 
 
 def audit(run_dir: str, out_dir: str | None = None, progress: bool = True, probe=None, intervals=None,
-          sample: int | None = None, sample_seed: int = 0, root: str | None = None) -> AuditResult:
+          sample: int | None = None, sample_seed: int | None = None, root: str | None = None,
+          policy: Policy | None = None) -> AuditResult:
     """Replay intervals of a run, each from its committed checkpoint, and check each against its leaf.
 
-    ``intervals`` (indices) or ``sample`` (a count) choose a subset; with ``out_dir`` the result is
-    saved after every interval and a later call with the same ``out_dir`` continues where it stopped.
+    Every setting comes from the auditor's ``policy`` (policy.py; the default policy without one): the
+    manifest is compared with it and refused (PolicyError) where it asks for more. The initial state is
+    rebuilt here, never taken from the run. ``intervals`` (indices) or ``sample`` (a count, drawn with
+    ``sample_seed``, fresh randomness by default) choose a subset; with ``out_dir`` the result is saved
+    after every interval and a later call with the same ``out_dir`` continues where it stopped.
     """
     t0 = time.perf_counter()
+    policy = policy or Policy.from_options(root=root)
+    if root is not None and policy.root not in (None, root):
+        raise RunError(f"--root {root} contradicts the policy's root {policy.root}")
     m = load_manifest(run_dir)
+    run = policy.admit(m)
     reasons = []
     if not m.get("complete"):
-        raise RunError(f"{run_dir}: the run is incomplete (the trainer did not finish); resume it first")
+        raise RunRejected(f"{run_dir}: the run is incomplete (the trainer did not finish); resume it first")
     leaves = [bytes.fromhex(x) for x in m.get("leaves", [])]
     tree = store.tree_of(leaves)
-    committed_root = root or m.get("root")
+    committed_root = root or policy.root or m.get("root")
     if tree.root().hex() != committed_root:
-        raise RunError(f"{run_dir}: the manifest's leaves hash to {tree.root().hex()[:16]}…, not to the committed "
-                       f"root {str(committed_root)[:16]}…")
-    spans = store.intervals(int(m["steps"]), m["checkpoint_every"])
-    n = len(spans)
-    if len(leaves) != n:
-        raise RunError(f"{run_dir}: {len(leaves)} leaves for {n} intervals")
+        raise RunRejected(f"{run_dir}: the manifest's leaves hash to {tree.root().hex()[:16]}…, not to the committed "
+                          f"root {str(committed_root)[:16]}…")
+    n = store.interval_count(run.steps, run.checkpoint_every)
+    if len(leaves) != n:  # checked before any per-interval list is built (steps may be up to 2**40)
+        raise RunRejected(f"{run_dir}: {len(leaves)} leaves for {n} intervals")
+    spans = store.intervals(run.steps, run.checkpoint_every)
     chosen = list(range(n))
     if intervals is not None:
         chosen = parse_intervals(intervals, n) if isinstance(intervals, str) else sorted(intervals)
     elif sample is not None:
+        if sample_seed is None:  # unpredictable to the trainer; saved so the audit can be repeated
+            import secrets
+
+            sample_seed = secrets.randbits(63)
         chosen = sample_intervals(sample, sample_seed, n)
     prev = _load_audit_progress(out_dir, committed_root) if out_dir else None
     done = {int(r["interval"]): r for r in (prev or {}).get("intervals", []) if r.get("complete")}
-    try:
-        task = build(m["task"], m["config"])
-    except TaskError as e:
-        raise RunError(f"cannot rebuild the run's task: {e}") from None
-    if m.get("task_source_sha256") and source_hash(m["task"]) != m["task_source_sha256"]:
-        raise RunError(f"the source of task {m['task']} differs from the trainer's (sha256 mismatch); "
-                       f"audit with the same task code")
-    mode, bits = m["mode"], int(m["bits"])
-    engine = EngineConfig(mode=mode, bits=bits, seed=int(m["seed"]), thresholds=m["thresholds"],
-                          slack=float(m.get("slack", 2.0)))
+    if source_hash(run.task) != m.get("task_source_sha256"):  # the trainer must have run this code
+        raise RunRejected(f"the source of task {run.task} differs from the trainer's (sha256 mismatch); "
+                          f"audit with the same task code")
+    bits = run.bits
+    engine = run.engine()
     grid = Grid(bits)
-    if mode == "fp64":
-        task.model.double()
+    task, init_reasons = _rebuild_initial_state(run_dir, m, run, engine)
+    reasons += init_reasons
     run_sha = store.run_sha256(m)
     results = [done[i] for i in sorted(done)]
     state = {"suspicious": 0, "details": [], "entries": 0, "corrections": {"forward": 0, "backward": 0, "optimizer": 0}}
+    freedom = _add_freedom({}, {})
     for r in results:
         state["suspicious"] += r.get("suspicious", 0)
         state["entries"] += r.get("entries", 0)
+        _add_freedom(freedom, r.get("freedom", {}))
         for k in state["corrections"]:
             state["corrections"][k] += r.get("corrections", {}).get(k, 0)
         state["details"] += r.get("suspicious_details", [])
@@ -348,7 +412,8 @@ def audit(run_dir: str, out_dir: str | None = None, progress: bool = True, probe
                 "run": os.path.abspath(run_dir), "root": committed_root, "run_sha256": run_sha.hex(),
                 "intervals": sorted(results, key=lambda r: r["interval"]),
                 "leaves": {str(r["interval"]): r["leaf_hash"] for r in results if r.get("leaf_hash")},
-                "hardware": hardware.describe()})
+                "hardware": hardware.describe(), "sample_seed": sample_seed, "initial_state_reasons": init_reasons,
+                "policy": policy.as_dict()})
 
     for i in todo:
         a, b = spans[i]
@@ -357,6 +422,7 @@ def audit(run_dir: str, out_dir: str | None = None, progress: bool = True, probe
         results.append(r)
         state["suspicious"] += r["suspicious"]
         state["entries"] += r["entries"]
+        _add_freedom(freedom, r["freedom"])
         for k in state["corrections"]:
             state["corrections"][k] += r["corrections"][k]
         state["details"] += r["suspicious_details"]
@@ -374,18 +440,62 @@ def audit(run_dir: str, out_dir: str | None = None, progress: bool = True, probe
                          corrections=state["corrections"], suspicious=state["suspicious"],
                          suspicious_details=state["details"][:50], entries=state["entries"],
                          seconds=time.perf_counter() - t0, hardware=hardware.describe(), root=committed_root,
-                         leaves={str(r["interval"]): r.get("leaf_hash") for r in results})
+                         leaves={str(r["interval"]): r.get("leaf_hash") for r in results}, sample_seed=sample_seed,
+                         freedom=freedom,
+                         unverified=unverified_fields(m))
     for r in result.intervals:
         r["resumed"] = r["interval"] in done
     save()
     return result
 
 
+def _add_freedom(total: dict, more: dict) -> dict:
+    """Sum the trainer's accepted choices (engine.StepStats.freedom) into ``total``."""
+    for k in ("direction_entries", "value_entries", "value_window_total", "value_window_cells"):
+        total[k] = total.get(k, 0) + more.get(k, 0)
+    return total
+
+
+def unverified_fields(m: dict) -> dict:
+    """Manifest fields that no commitment covers (the trainer may have written anything there): shown
+    as the trainer's claims, never as audited facts. ``veritrain eval`` recomputes the evaluation."""
+    committed = set(store.RUN_FIELDS) | {"checkpoints", "leaves", "root", "manifest_sha256", "steps_completed",
+                                         "complete"}
+    return {k: v for k, v in m.items() if k not in committed}
+
+
+def _rebuild_initial_state(run_dir: str, m: dict, run: AdmittedRun, engine: EngineConfig):
+    """(task, reasons): the task built by the auditor under the engine, and why its initial state is not
+    the run's (empty when it is)."""
+    reader = _init_log_reader(run_dir, m) if run.mode == "verified" else None
+    try:
+        task = build_initial(run.task, run.config, engine, reader=reader)
+    except (ReplayMismatchError, LogFormatError) as e:
+        raise RunRejected(f"initial state: the task's construction does not replay the run's initialisation "
+                          f"log ({e})") from None
+    except TaskError as e:
+        raise RunError(f"cannot rebuild the run's task: {e}") from None
+    finally:
+        if reader is not None:
+            reader.close()
+    _prepare_model(task, run.mode, Grid(run.bits))
+    reasons = []
+    if task.init_stats.suspicious_count:
+        reasons.append(f"initial state: {task.init_stats.suspicious_count} suspicious entries in {INIT_LOG}")
+    h = hash_state(task.model, task.optimizer, task.scheduler, 0)
+    for who, want in (("the run", m.get("initial_state_sha256")), ("the policy", run.initial_state_sha256)):
+        if want is not None and h != want or (who == "the run" and want is None):
+            reasons.append(f"initial state: the auditor's build of task {run.task} hashes to {h[:16]}…, "
+                           f"{who} commits to {str(want)[:16]}… (the trainer started from other weights)")
+    return task, reasons
+
+
 def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root, run_sha, probe, bar) -> dict:
     """Replay steps [a, b) from the committed checkpoint after a steps; compare with leaf i."""
     mode, bits = m["mode"], int(m["bits"])
     out = {"interval": i, "steps": [a, b], "reasons": [], "checkpoints": [], "suspicious": 0,
-           "suspicious_details": [], "entries": 0, "corrections": {"forward": 0, "backward": 0, "optimizer": 0}}
+           "suspicious_details": [], "entries": 0, "corrections": {"forward": 0, "backward": 0, "optimizer": 0},
+           "freedom": _add_freedom({}, {})}
     committed = store.parse_leaf(leaves[i])
     start_state = m.get("initial_state_sha256") if i == 0 else store.parse_leaf(leaves[i - 1])["state_sha256"]
     ck = next((c for c in m["checkpoints"] if c["step"] == a), None)
@@ -393,10 +503,13 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         out["reasons"].append(f"interval {i}: the run commits to no checkpoint after {a} steps")
         out["match"] = False
         return out
-    try:
-        _, h0 = load_checkpoint(os.path.join(run_dir, ck["file"]), task.model, task.optimizer, task.scheduler)
-    except CheckpointError as e:
-        raise RunError(str(e)) from None
+    try:  # by its canonical name, as a regular file inside the run (store.open_run_file)
+        with store.open_run_file(run_dir, ckpt_name(a)) as f:
+            _, h0 = load_checkpoint(f, task.model, task.optimizer, task.scheduler)
+    except CheckpointError as e:  # the run's own checkpoint does not fit its task: a rejection
+        out["reasons"].append(f"interval {i}: {e}")
+        out["match"] = False
+        return out
     if h0 != start_state:
         out["reasons"].append(f"interval {i}: {ck['file']} hashes to {h0[:16]}…, the commitment says {start_state[:16]}…")
         out["match"] = False
@@ -406,10 +519,9 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         reader, log_sha = None, None
         rp = os.path.join(run_dir, record_name(step))
         try:
-            with open(rp, "rb") as f:
-                raw_rec = f.read(1 << 20)
-        except OSError as e:
-            out["reasons"].append(f"step {step}: cannot read the trainer's data record {rp} ({e.strerror})")
+            raw_rec = store.read_run_file(run_dir, record_name(step))
+        except store.RunFileError as e:
+            out["reasons"].append(f"step {step}: the trainer's data record {e}")
             break
         if hashlib.sha256(raw_rec).hexdigest() != committed["records"][step - a]:
             out["reasons"].append(f"step {step}: {rp} is altered or truncated (its hash differs from leaf {i})")
@@ -423,10 +535,9 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         if mode == "verified":
             lp = os.path.join(run_dir, log_name(step))
             try:
-                with open(lp, "rb") as f:
-                    raw = f.read()
-            except OSError as e:
-                out["reasons"].append(f"step {step}: cannot read rounding log {lp} ({e.strerror})")
+                raw = store.read_run_file(run_dir, log_name(step))
+            except store.RunFileError as e:
+                out["reasons"].append(f"step {step}: rounding log {e}")
                 break
             log_sha = hashlib.sha256(raw).hexdigest()
             if trainer_rec is not None and trainer_rec.get("log_sha256") != log_sha:
@@ -454,6 +565,7 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         out["suspicious"] += st.stats.suspicious_count
         out["suspicious_details"] += [d.__dict__ for d in st.stats.suspicious][: max(0, 50 - len(out["suspicious_details"]))]
         out["entries"] += st.stats.entries_total
+        _add_freedom(out["freedom"], st.stats.freedom())
         bh = batch_hash(batch)
         if trainer_rec is not None and trainer_rec.get("batch_sha256") != bh:
             out["reasons"].append(f"step {step}: the trainer's data record differs from what batch({step}) yields")
@@ -480,25 +592,25 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
     return out
 
 
-def evaluate_run(run_dir: str, step: int | None = None) -> dict:
-    """The task's held-out metric for a run's checkpoint (the last one by default)."""
+def evaluate_run(run_dir: str, step: int | None = None, policy: Policy | None = None) -> dict:
+    """The task's held-out metric for a run's checkpoint (the last one by default), computed here by the
+    auditor's own build of the task (the manifest's ``evaluation`` is only the trainer's claim)."""
     import copy
 
     m = load_manifest(run_dir)
+    run = (policy or Policy()).admit(m)
     ck = m["checkpoints"][-1] if step is None else next((c for c in m["checkpoints"] if c["step"] == step), None)
     if ck is None:
         raise RunError(f"{run_dir} has no checkpoint after step {step}; it has "
                        f"{[c['step'] for c in m['checkpoints']]}")
-    try:
-        task = build(m["task"], m["config"])
-    except TaskError as e:
-        raise RunError(f"cannot rebuild the run's task: {e}") from None
+    task = run.build_task()
     if task.evaluate is None:
         raise RunError(f"task {m['task']} defines no evaluation")
     if m["mode"] == "fp64":
         task.model.double()
-    try:
-        _, h = load_checkpoint(os.path.join(run_dir, ck["file"]), task.model, task.optimizer, task.scheduler)
+    try:  # by its canonical name, as a regular file inside the run (store.open_run_file)
+        with store.open_run_file(run_dir, ckpt_name(ck["step"])) as f:
+            _, h = load_checkpoint(f, task.model, task.optimizer, task.scheduler)
     except CheckpointError as e:
         raise RunError(str(e)) from None
     if h != ck["state_sha256"]:

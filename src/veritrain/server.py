@@ -6,25 +6,34 @@
     GET /checkpoint|log|record?step=  the file's bytes
     GET /state_after?step=            {"state_sha256": hex}  (the prover replays the step)
     GET /op_count?step=               {"count": n}
-    GET /op?step=&index=              {"op", "where", "inputs", "sources", "outputs"}
+    GET /op?step=&index=              {"op", "where", "args", "random_index", "inputs", "sources",
+                                       "outputs", "chain"}
     GET /op_inputs?step=&index=       the operator's inputs (engine.dump_call format)
 
 Errors are JSON {"error": message} with status 400 (bad query) or 404 (nothing to answer). Bound to
-loopback unless told otherwise: the prover answers anyone who can reach it.
+loopback unless told otherwise: the prover answers anyone who can reach it. ``HttpProver`` (the
+challenger's side) gives each whole answer a deadline and reads at most a cap per route (CAPS).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
-import urllib.error
+import time
 import urllib.parse
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .protocol import Prover, ProverError
 
-MAX_ANSWER = 1 << 30
+# the most the challenger reads of one answer, by kind: a larger answer is refused unread
+MAX_ANSWER = 1 << 30  # a checkpoint, a rounding log, an operator's inputs
+MAX_JSON = 64 << 20  # the manifest (as store.load_manifest reads it), a leaf with its proof
+MAX_SMALL = 1 << 20  # a data record, a node, a state hash, an op count, an op's trace entry
+CAPS = {"manifest": MAX_JSON, "leaf": MAX_JSON, "record": MAX_SMALL, "node": MAX_SMALL, "state_after": MAX_SMALL,
+        "op_count": MAX_SMALL, "op": MAX_SMALL}
+MAX_PROOF = 64  # hashes in an inclusion proof (a tree of up to 2**64 leaves)
 
 
 def make_server(prover: Prover, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
@@ -81,33 +90,86 @@ def make_server(prover: Prover, host: str = "127.0.0.1", port: int = 0) -> Threa
 
 
 class HttpProver(Prover):
-    """The challenger's view of a prover at http://HOST:PORT."""
+    """The challenger's view of a prover at http://HOST:PORT.
+
+    ``timeout`` is the wall time one whole answer may take (connecting, headers and body together), not
+    a per-read socket timeout: a prover that trickles bytes loses when it runs out. Every answer is read
+    up to its route's cap (CAPS, else MAX_ANSWER) and refused beyond it."""
 
     def __init__(self, url: str, timeout: float = 120.0):
         self.url = url.rstrip("/")
-        self.timeout = timeout
+        self.timeout = float(timeout)
+        u = urllib.parse.urlsplit(self.url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ProverError(f"{url}: expected http://HOST:PORT")
+        self._conn = (http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection,
+                      u.hostname, u.port, u.path.rstrip("/"))
 
     def _get(self, route: str, **params) -> bytes:
-        url = f"{self.url}/{route}?{urllib.parse.urlencode(params)}"
+        cls, host, port, base = self._conn
+        cap = CAPS.get(route, MAX_ANSWER)
+        conn = cls(host, port, timeout=self.timeout)
+        expired = threading.Event()
+
+        def expire():  # the deadline for the whole answer: cut the connection wherever it stands
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(self.timeout, expire)
+        timer.daemon = True
+        t0 = time.monotonic()
+        timer.start()
         try:
-            with urllib.request.urlopen(url, timeout=self.timeout) as r:
-                return r.read(MAX_ANSWER)
-        except urllib.error.HTTPError as e:
-            try:
-                msg = json.loads(e.read(1 << 16)).get("error", "")
-            except (ValueError, AttributeError):
-                msg = ""
-            raise ProverError(f"refused /{route} (HTTP {e.code}{': ' + msg if msg else ''})") from None
-        except TimeoutError:
+            conn.request("GET", f"{base}/{route}?{urllib.parse.urlencode(params)}", headers={"Connection": "close"})
+            r = conn.getresponse()
+            if r.status != 200:
+                try:
+                    msg = json.loads(r.read(1 << 16)).get("error", "")
+                except (ValueError, AttributeError, RecursionError, OSError, http.client.HTTPException):
+                    msg = ""
+                raise ProverError(f"refused /{route} (HTTP {r.status}{': ' + str(msg)[:500] if msg else ''})")
+            length = r.getheader("Content-Length")
+            if length is not None and (not length.strip().isdigit() or int(length) > cap):
+                raise ProverError(f"/{route}: the answer announces {length[:40]} bytes, larger than the {cap} "
+                                  f"this challenger reads")
+            chunks, got = [], 0
+            while True:
+                b = r.read(min(1 << 20, cap + 1 - got))
+                if not b:
+                    break
+                chunks.append(b)
+                got += len(b)
+                if got > cap:
+                    raise ProverError(f"/{route}: the answer is larger than the {cap} bytes this challenger reads")
+            if expired.is_set():
+                raise TimeoutError
+            return b"".join(chunks)
+        except (TimeoutError, socket.timeout):
             raise ProverError(f"timed out on /{route} after {self.timeout:g} s") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise ProverError(f"cannot reach {self.url} ({getattr(e, 'reason', e)})") from None
+        except (OSError, http.client.HTTPException) as e:
+            if expired.is_set() or time.monotonic() - t0 >= self.timeout:
+                raise ProverError(f"timed out on /{route} after {self.timeout:g} s") from None
+            raise ProverError(f"cannot reach {self.url} ({getattr(e, 'reason', None) or e})") from None
+        finally:
+            timer.cancel()
+            conn.close()
 
     def _json(self, route, **params):
         try:
             return json.loads(self._get(route, **params))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ProverError(f"/{route}: the answer is not JSON") from None
+
+    def _obj(self, route, **params) -> dict:
+        a = self._json(route, **params)
+        if not isinstance(a, dict):
+            raise ProverError(f"/{route}: the answer is not a JSON object")
+        return a
 
     @staticmethod
     def _hash(x) -> bytes:
@@ -126,11 +188,13 @@ class HttpProver(Prover):
         return m
 
     def node(self, lo, hi):
-        return self._hash(self._json("node", lo=lo, hi=hi).get("hash"))
+        return self._hash(self._obj("node", lo=lo, hi=hi).get("hash"))
 
     def leaf(self, index):
-        a = self._json("leaf", index=index)
+        a = self._obj("leaf", index=index)
         try:
+            if len(a["proof"]) > MAX_PROOF:
+                raise ValueError
             return bytes.fromhex(a["data"]), [self._hash(p) for p in a["proof"]]
         except (KeyError, TypeError, ValueError):
             raise ProverError("/leaf: malformed answer") from None
@@ -145,17 +209,19 @@ class HttpProver(Prover):
         return self._get("record", step=step)
 
     def state_after(self, step):
-        return self._hash(self._json("state_after", step=step).get("state_sha256")).hex()
+        return self._hash(self._obj("state_after", step=step).get("state_sha256")).hex()
 
     def op_count(self, step):
-        n = self._json("op_count", step=step).get("count")
-        if not isinstance(n, int) or n < 0:
+        a = self._json("op_count", step=step)
+        n = a.get("count") if isinstance(a, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ProverError("/op_count: malformed answer")
         return n
 
     def op(self, step, index):
         a = self._json("op", step=step, index=index)
-        if not isinstance(a, dict) or not isinstance(a.get("outputs"), list):
+        if not isinstance(a, dict) or not isinstance(a.get("chain"), str) or not all(
+                isinstance(a.get(k), list) and all(isinstance(x, str) for x in a[k]) for k in ("inputs", "outputs")):
             raise ProverError("/op: malformed answer")
         return a
 

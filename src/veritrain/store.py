@@ -8,23 +8,32 @@ the hash of each of its steps' data records (which hold the hash of the step's r
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
+import re
+import stat
 import struct
 
 from .commitments import canonical_json
 from .merkle import MerkleTree, leaf_hash
 
 MANIFEST = "manifest.json"
-FORMAT = "veritrain-run/1"
+FORMAT = "veritrain-run/2"
 LEAF_TAG = b"veritrain-leaf/1\0"
 RUN_FIELDS = ("format", "task", "task_source_sha256", "config", "seed", "mode", "bits", "thresholds", "slack",
-              "steps", "checkpoint_every", "initial_state_sha256")
+              "steps", "checkpoint_every", "initial_state_sha256", "init_log_sha256")
 
 
 class RunError(ValueError):
     """Bad input: a missing or malformed run directory, manifest or option."""
+
+
+class RunRejected(RunError):
+    """The run itself is altered, malformed or outside the auditor's policy: the auditor rejects it
+    (exit 1), as opposed to input the auditor cannot use at all (exit 2)."""
 
 
 def ckpt_name(step: int) -> str:
@@ -33,6 +42,9 @@ def ckpt_name(step: int) -> str:
 
 def log_name(step: int) -> str:
     return f"logs/step_{step:08d}.vtlog"
+
+
+INIT_LOG = "logs/init.vtlog"  # the rounding log of building the task (its random initialisation)
 
 
 def record_name(step: int) -> str:
@@ -98,6 +110,199 @@ def remove_stray_temporaries(run_dir: str) -> list[str]:
     return gone
 
 
+# --- reading a run as hostile input -------------------------------------------------------------
+#
+# Everything under a run folder is written by the trainer, who may lie. Readers of a run open its files
+# only through open_run_file: by their canonical names (never a name read from the manifest), as
+# regular files inside the run folder (no symlink, fifo, device or folder, no symlinked subfolder), and
+# within a size cap checked on the open file before anything is read (docs/FORMAT.md, "Reading a run
+# as hostile input").
+
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_RECORD_BYTES = 1 << 20
+MAX_LOG_BYTES = 1 << 30
+MAX_CHECKPOINT_BYTES = 64 << 30
+RUN_SUBDIRS = ("checkpoints", "logs", "records")
+_CANONICAL = re.compile(r"manifest\.json|checkpoints/step_[0-9]{8,}\.safetensors|logs/step_[0-9]{8,}\.vtlog"
+                        r"|logs/init\.vtlog|records/step_[0-9]{8,}\.json")
+_KINDS = {"manifest.json": ("manifest", MAX_MANIFEST_BYTES), "records": ("data record", MAX_RECORD_BYTES),
+          "logs": ("rounding log", MAX_LOG_BYTES), "checkpoints": ("checkpoint", MAX_CHECKPOINT_BYTES)}
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_AT = os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd and os.stat in os.supports_follow_symlinks
+
+
+class RunFileError(RunRejected):
+    """A run file the reader refuses: missing, not a regular file (a symlink, fifo, device, folder),
+    inside a symlinked subfolder, or over its size cap. ``problem`` says which, without the path."""
+
+    def __init__(self, name: str, path: str, problem: str, missing: bool = False):
+        super().__init__(f"{path} {problem}")
+        self.name, self.path, self.problem, self.missing = name, path, problem, missing
+
+
+def run_file_cap(name: str) -> tuple[str, int]:
+    """(what the file is, its size cap in bytes) for a canonical run file name."""
+    return _KINDS[name.split("/", 1)[0]]
+
+
+def _not_regular(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link: a run's files must be regular files inside the run folder"
+    for test, what in ((stat.S_ISFIFO, "a fifo"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return f"is {what}, not a regular file"
+    return "is not a regular file"
+
+
+def _open_regular(path: str, display: str, name: str, what: str, cap: int, dir_fd=None) -> tuple[int, int]:
+    """(fd, size) of the regular file ``path`` (relative to ``dir_fd`` if given), opened without following
+    a symlink or blocking on a fifo, refused before reading if it is larger than ``cap``."""
+    at = {} if dir_fd is None else {"dir_fd": dir_fd}
+    try:
+        before = os.stat(path, follow_symlinks=False, **at)
+    except FileNotFoundError:
+        raise RunFileError(name, display, "is missing", missing=True) from None
+    except OSError as e:
+        raise RunFileError(name, display, f"cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(before.st_mode):  # refused before opening: opening a device can have effects
+        raise RunFileError(name, display, _not_regular(before.st_mode))
+    if before.st_size > cap:
+        raise RunFileError(name, display, f"is {before.st_size} bytes, over the {cap}-byte limit for a {what} "
+                                          f"(refused unread)")
+    try:
+        fd = os.open(path, _OPEN_FLAGS, **at)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise RunFileError(name, display, "is missing", missing=True) from None
+        if e.errno in (errno.ELOOP, errno.EMLINK):
+            raise RunFileError(name, display, _not_regular(stat.S_IFLNK)) from None
+        raise RunFileError(name, display, f"cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise RunFileError(name, display, "was replaced while it was opened")
+        if st.st_size > cap:
+            raise RunFileError(name, display, f"is {st.st_size} bytes, over the {cap}-byte limit for a {what} "
+                                              f"(refused unread)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+class RunFile:
+    """A run file opened for reading by ``open_run_file``: reads are capped at the file's size limit
+    (even if it grows while read) and hashed. ``path`` names it in messages; ``size`` is its size when
+    opened; ``sha256()`` is the hash of the bytes read so far (``drain()`` first for the whole file)."""
+
+    def __init__(self, fd: int, path: str, name: str, size: int, cap: int):
+        self._f = io.open(fd, "rb", buffering=1 << 16, closefd=True)
+        self.path, self.name, self.size, self.cap = path, name, size, cap
+        self.bytes_read = 0
+        self._hash = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            parts = []
+            while chunk := self.read(1 << 20):
+                parts.append(chunk)
+            return b"".join(parts)
+        data = self._f.read(min(n, self.cap + 1 - self.bytes_read))
+        self.bytes_read += len(data)
+        if self.bytes_read > self.cap:
+            raise RunFileError(self.name, self.path, f"grew past the {self.cap}-byte limit while it was read")
+        self._hash.update(data)
+        return data
+
+    def drain(self) -> "RunFile":
+        while self.read(1 << 20):
+            pass
+        return self
+
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self):
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_run_file(run_dir: str, name: str, max_bytes: int | None = None) -> RunFile:
+    """Open the run file ``name`` (a canonical name: MANIFEST, ckpt_name(s), log_name(s), INIT_LOG,
+    record_name(s)) of ``run_dir`` for reading, as hostile input: only a regular file, not through a
+    symlink (the file's or its subfolder's), at most ``max_bytes`` (default: the cap of its kind).
+    Raises RunFileError naming the file and the problem (``missing`` set when it does not exist)."""
+    if not isinstance(name, str) or not _CANONICAL.fullmatch(name):
+        raise RunError(f"{name!r:.200} is not the name of a run file")
+    what, cap = run_file_cap(name)
+    cap = cap if max_bytes is None else min(cap, max_bytes)
+    path = os.path.join(run_dir, name)
+    sub, _, base = name.rpartition("/")
+    if not _AT:  # no openat here: check the subfolder by name, then open by path (a small race remains)
+        if sub and os.path.islink(os.path.join(run_dir, sub)):
+            raise RunFileError(name, path, f"is in {sub}/, a symbolic link: a run's files must be inside the run folder")
+        fd, size = _open_regular(path, path, name, what, cap)
+        return RunFile(fd, path, name, size, cap)
+    try:
+        dfd = os.open(run_dir, _DIR_FLAGS)
+    except OSError as e:
+        raise RunError(f"run directory {run_dir} cannot be opened ({e.strerror})") from None
+    try:
+        if not sub:
+            fd, size = _open_regular(base, path, name, what, cap, dir_fd=dfd)
+        else:
+            try:
+                st = os.stat(sub, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise RunFileError(name, path, f"is missing (the run has no {sub}/ folder)", missing=True) from None
+            if stat.S_ISLNK(st.st_mode):
+                raise RunFileError(name, path, f"is in {sub}/, which is a symbolic link: a run's files must be "
+                                               f"regular files inside the run folder")
+            if not stat.S_ISDIR(st.st_mode):
+                raise RunFileError(name, path, f"is missing ({sub} is not a folder)", missing=True)
+            try:
+                sfd = os.open(sub, _DIR_FLAGS | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+            except OSError as e:
+                raise RunFileError(name, path, f"cannot be opened ({sub}/: {e.strerror})") from None
+            try:
+                fd, size = _open_regular(base, path, name, what, cap, dir_fd=sfd)
+            finally:
+                os.close(sfd)
+    finally:
+        os.close(dfd)
+    return RunFile(fd, path, name, size, cap)
+
+
+def open_regular_file(path: str, max_bytes: int, what: str = "file") -> RunFile:
+    """Open a file given by path (not by run-file name) as hostile input: a regular file, not a symlink,
+    at most ``max_bytes``. Raises RunFileError."""
+    fd, size = _open_regular(path, path, os.path.basename(path), what, max_bytes)
+    return RunFile(fd, path, os.path.basename(path), size, max_bytes)
+
+
+def read_run_file(run_dir: str, name: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of a run file, read with open_run_file's checks."""
+    with open_run_file(run_dir, name, max_bytes) as f:
+        return f.read()
+
+
+def run_file_sha256(run_dir: str, name: str, max_bytes: int | None = None) -> str:
+    """SHA-256 of a run file, streamed (checkpoints are large) with open_run_file's checks."""
+    with open_run_file(run_dir, name, max_bytes) as f:
+        return f.drain().sha256()
+
+
 # --- manifest -----------------------------------------------------------------------------------
 
 
@@ -112,33 +317,39 @@ def save_manifest(run_dir: str, manifest: dict):
 
 
 def load_manifest(run_dir: str, check_digest: bool = True) -> dict:
+    """The run's manifest, parsed and checked for shape. A missing folder or manifest is unusable input
+    (RunError); a manifest that is there but malformed or altered rejects the run (RunRejected)."""
     p = os.path.join(run_dir, MANIFEST)
     if not os.path.isdir(run_dir):
         raise RunError(f"run directory {run_dir} does not exist")
     try:
-        with open(p, "rb") as f:
-            raw = f.read(64 << 20)
+        raw = read_run_file(run_dir, MANIFEST)
+    except RunFileError as e:
+        if e.missing:
+            raise RunError(f"{run_dir} has no {MANIFEST}: not a veritrain run directory") from None
+        raise
+    try:
         m = json.loads(raw)
-    except FileNotFoundError:
-        raise RunError(f"{run_dir} has no {MANIFEST}: not a veritrain run directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise RunError(f"{p} is not valid JSON ({type(e).__name__}: {e})") from None
-    except OSError as e:
-        raise RunError(f"cannot read {p}: {e}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too many digits
+        raise RunRejected(f"{p} is not valid JSON ({type(e).__name__}: {str(e):.200})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise RunError(f"{p}: unknown format {m.get('format') if isinstance(m, dict) else None!r}, expected {FORMAT}")
+        raise RunRejected(f"{p}: unknown format {m.get('format') if isinstance(m, dict) else None!r:.100}, "
+                       f"expected {FORMAT}")
     for key, typ in (("task", str), ("config", dict), ("seed", int), ("mode", str), ("bits", int),
                      ("thresholds", dict), ("steps", int), ("checkpoint_every", int), ("checkpoints", list)):
         if not isinstance(m.get(key), typ) or isinstance(m.get(key), bool):
-            raise RunError(f"{p}: field {key!r} is missing or not a {typ.__name__}")
+            raise RunRejected(f"{p}: field {key!r} is missing or not a {typ.__name__}")
     if m["steps"] < 0 or m["checkpoint_every"] <= 0:
-        raise RunError(f"{p}: steps must be >= 0 and checkpoint_every > 0")
+        raise RunRejected(f"{p}: steps must be >= 0 and checkpoint_every > 0")
     for c in m["checkpoints"]:
-        if not (isinstance(c, dict) and isinstance(c.get("step"), int) and isinstance(c.get("file"), str)
-                and isinstance(c.get("state_sha256"), str)):
-            raise RunError(f"{p}: malformed checkpoint entry {c!r:.200}")
+        if not (isinstance(c, dict) and isinstance(c.get("step"), int) and not isinstance(c.get("step"), bool)
+                and c["step"] >= 0 and isinstance(c.get("file"), str) and isinstance(c.get("state_sha256"), str)):
+            raise RunRejected(f"{p}: malformed checkpoint entry {str(c):.200}")
+        if c["file"] != ckpt_name(c["step"]):  # files are read by their canonical names only
+            raise RunRejected(f"{p}: the checkpoint entry for step {c['step']} names {c['file']!r:.200}, not "
+                           f"{ckpt_name(c['step'])}")
     if check_digest and "manifest_sha256" in m and m["manifest_sha256"] != manifest_digest(m):
-        raise RunError(f"{p} is altered: its content does not match its manifest_sha256")
+        raise RunRejected(f"{p} is altered: its content does not match its manifest_sha256")
     return m
 
 
@@ -159,7 +370,16 @@ def record_bytes(step: int, batch_sha256: str, batch_indices, loss: float, log_s
                            "loss": loss, "log_sha256": log_sha256}) + b"\n"
 
 
+def interval_count(steps: int, every: int) -> int:
+    """len(intervals(steps, every)), without building the list."""
+    return 1 if steps == 0 else -(-steps // every)
+
+
 def intervals(steps: int, every: int) -> list[tuple[int, int]]:
+    """The run's checkpoint intervals; a run of 0 steps has one empty interval, so that its root
+    commits to its initial state like any other run's."""
+    if steps == 0:
+        return [(0, 0)]
     return [(a, min(a + every, steps)) for a in range(0, steps, every)]
 
 
@@ -203,11 +423,12 @@ def verify(run_dir: str, root: str | None = None) -> dict:
     """Check every file of a run against the manifest and the Merkle root, without replaying.
 
     Returns {"ok", "root", "intervals", "steps", "problems": [{"file", "problem"}]}; a problem names the
-    file (missing, truncated or altered) and what does not match.
+    file (missing, truncated, altered, malformed, or refused as hostile input) and what does not match.
+    Files are read as hostile input (open_run_file); the work is bounded by the manifest's size and the
+    files' size caps.
     """
     from .checkpoint import CheckpointError, read_checkpoint
     from .commitments import state_hash
-    from .logformat import LogFormatError, StepLogReader
 
     problems = []
 
@@ -221,80 +442,99 @@ def verify(run_dir: str, root: str | None = None) -> dict:
                 "problems": [{"file": MANIFEST, "problem": str(e)}]}
     if "manifest_sha256" not in m:
         bad(MANIFEST, "has no manifest_sha256 (written by an older veritrain or altered)")
-    steps = int(m.get("steps_completed", m["steps"]))
-    for c in m["checkpoints"]:
-        p = os.path.join(run_dir, c["file"])
-        if c["file"] != ckpt_name(c["step"]):
-            bad(MANIFEST, f"checkpoint entry for step {c['step']} names {c['file']!r}")
-            continue
-        if not os.path.exists(p):
-            bad(c["file"], "missing")
-            continue
-        if c.get("file_sha256") and file_sha256(p) != c["file_sha256"]:
-            bad(c["file"], "altered or truncated: its SHA-256 differs from the manifest's")
-            continue
-        try:
-            tensors, meta, step, recorded = read_checkpoint(p)
-            actual = state_hash(tensors, meta, step)
-        except CheckpointError as e:
-            bad(c["file"], f"unreadable ({e})")
-            continue
-        if actual != c["state_sha256"] or step != c["step"]:
-            bad(c["file"], "its state hash differs from the manifest's commitment")
-    verified = m["mode"] == "verified"
-    for s in range(steps):
-        rp = os.path.join(run_dir, record_name(s))
-        if not os.path.exists(rp):
-            bad(record_name(s), "missing")
-            continue
-        try:
-            with open(rp, "rb") as f:
-                rec = json.loads(f.read(1 << 20))
-            if not isinstance(rec, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, UnicodeDecodeError) as e:
-            bad(record_name(s), f"unreadable ({e})")
-            continue
-        if not verified:
-            continue
-        lp = os.path.join(run_dir, log_name(s))
-        if not os.path.exists(lp):
-            bad(log_name(s), "missing")
-            continue
-        if file_sha256(lp) != rec.get("log_sha256"):
-            bad(log_name(s), "altered or truncated: its SHA-256 differs from the one in its data record")
-            continue
-        try:
-            reader = StepLogReader(lp, expect_step=s, expect_bits=m["bits"])
-            while reader.next_op() is not None:
-                pass
-            reader.close()
-        except LogFormatError as e:
-            bad(log_name(s), f"malformed ({e})")
-    # the committed leaves: every record file against its hash in a leaf, the leaves against the root
-    got_root = None
+    # the committed leaves first: the steps they commit to bound the files looked at below
     try:
         leaves = [bytes.fromhex(x) for x in m.get("leaves", [])]
         parsed = [parse_leaf(x) for x in leaves]
-    except (ValueError, RunError) as e:
-        bad(MANIFEST, f"malformed leaves ({e})")
+    except (ValueError, TypeError, RunError) as e:
+        bad(MANIFEST, f"malformed leaves ({str(e):.200})")
         leaves, parsed = [], []
+    committed = sum(len(info["records"]) for info in parsed)
+    steps = m.get("steps_completed", m["steps"])
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= m["steps"]:
+        bad(MANIFEST, f"steps_completed {steps!r:.40} is not a step count of this run")
+        steps = committed
+    if steps != committed:
+        bad(MANIFEST, f"its leaves commit to {committed} steps, it says {steps} steps are complete")
+        steps = min(steps, committed)
+    for c in m["checkpoints"]:
+        name = ckpt_name(c["step"])  # load_manifest checked that the entry names this file
+        try:
+            if c.get("file_sha256") and run_file_sha256(run_dir, name) != c["file_sha256"]:
+                bad(name, "altered or truncated: its SHA-256 differs from the manifest's")
+                continue
+            with open_run_file(run_dir, name) as f:
+                tensors, meta, step, recorded = read_checkpoint(f)
+            actual = state_hash(tensors, meta, step)
+        except RunFileError as e:
+            bad(name, e.problem)
+            continue
+        except (CheckpointError, ValueError, TypeError, OverflowError) as e:
+            bad(name, f"unreadable ({str(e):.300})")
+            continue
+        if actual != c["state_sha256"] or step != c["step"]:
+            bad(name, "its state hash differs from the manifest's commitment")
+    verified = m["mode"] == "verified"
+    if verified and "init_log_sha256" in m:
+        _verify_log(run_dir, INIT_LOG, m.get("init_log_sha256"), 0, m["bits"], bad,
+                    "its SHA-256 differs from the manifest's init_log_sha256")
+    record_sha = {}
+    for s in range(steps):
+        name = record_name(s)
+        try:
+            raw = read_run_file(run_dir, name)
+        except RunFileError as e:
+            bad(name, e.problem)
+            continue
+        record_sha[s] = hashlib.sha256(raw).hexdigest()
+        try:
+            rec = json.loads(raw)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, RecursionError) as e:
+            bad(name, f"unreadable ({str(e):.200})")
+            continue
+        if verified:
+            _verify_log(run_dir, log_name(s), rec.get("log_sha256"), s, m["bits"], bad,
+                        "its SHA-256 differs from the one in its data record")
+    # every record file against its hash in a leaf, the leaves against the root
     run_sha = run_sha256(m).hex()
-    for i, (info, (a, b)) in enumerate(zip(parsed, intervals(steps, m["checkpoint_every"]))):
+    spans = intervals(steps, m["checkpoint_every"])
+    for i, (info, (a, b)) in enumerate(zip(parsed, spans)):
         if (info["interval"], info["first_step"], info["end_step"], info["run_sha256"]) != (i, a, b, run_sha):
             bad(MANIFEST, f"leaf {i} does not describe interval {i} (steps {a}..{b - 1}) of this run")
         if info["state_sha256"] != committed_state(m, b):
             bad(MANIFEST, f"leaf {i} commits to another state than the checkpoint entry for step {b}")
         for s, h in zip(range(a, b), info["records"]):
-            rp = os.path.join(run_dir, record_name(s))
-            if os.path.exists(rp) and file_sha256(rp) != h:
+            if s in record_sha and record_sha[s] != h:
                 bad(record_name(s), f"altered or truncated: its SHA-256 differs from the one in leaf {i}")
-    if m.get("complete") and len(leaves) != len(intervals(steps, m["checkpoint_every"])):
-        bad(MANIFEST, f"commits to {len(leaves)} leaves for {len(intervals(steps, m['checkpoint_every']))} intervals")
+    if m.get("complete") and len(leaves) != len(spans):
+        bad(MANIFEST, f"commits to {len(leaves)} leaves for {len(spans)} intervals")
     got_root = tree_of(leaves).root().hex()
     if m.get("complete") and m.get("root") != got_root:
         bad(MANIFEST, f"its leaves hash to root {got_root[:16]}…, it records root {str(m.get('root'))[:16]}…")
     if root is not None and got_root != root:
         bad(MANIFEST, f"the run's root {got_root[:16]}… is not the expected root {root[:16]}…")
-    return {"ok": not problems, "root": got_root, "intervals": len(intervals(steps, m["checkpoint_every"])),
-            "steps": steps, "problems": problems}
+    return {"ok": not problems, "root": got_root, "intervals": len(spans), "steps": steps, "problems": problems}
+
+
+def _verify_log(run_dir: str, name: str, want_sha256, step: int, bits: int, bad, differs: str):
+    """Hash and decode one rounding log in a single pass (what is decoded is what is hashed)."""
+    from .logformat import LogFormatError, StepLogReader
+
+    try:
+        with open_run_file(run_dir, name) as f:
+            error = None
+            try:
+                reader = StepLogReader(f, expect_step=step, expect_bits=bits)
+                while reader.next_op() is not None:
+                    pass
+            except LogFormatError as e:
+                error = e
+            f.drain()
+            if f.sha256() != want_sha256:
+                bad(name, f"altered or truncated: {differs}")
+            elif error is not None:
+                bad(name, f"malformed ({error})")
+    except RunFileError as e:
+        bad(name, e.problem)

@@ -23,6 +23,7 @@ def replay_distances(run_dir: str) -> list[float]:
     buffers to the trainer's checkpoint after that step."""
     from .. import store
     from ..checkpoint import read_checkpoint
+    from ..policy import trusted
     from ..protocol import Replayer
 
     m = store.load_manifest(run_dir)
@@ -31,7 +32,7 @@ def replay_distances(run_dir: str) -> list[float]:
         with open(os.path.join(run_dir, name), "rb") as f:
             return f.read()
 
-    rep = Replayer(m, lambda s: read(store.ckpt_name(s)), lambda s: read(store.log_name(s)))
+    rep = Replayer(trusted(m), lambda s: read(store.ckpt_name(s)), lambda s: read(store.log_name(s)))
     rep.load(0, m["initial_state_sha256"])
     out = []
     for step in range(m["steps"]):

@@ -1,0 +1,282 @@
+"""The auditor's trust boundary: what it takes from a run, and on whose word.
+
+A run folder is written by the trainer, who may lie. Every setting that decides what "honest training"
+means — the task and its source, config, seed, steps, checkpoint interval, grid, mode, thresholds,
+slack, initial state — comes from the auditor's own **policy**: a contract the client wrote
+(``veritrain contract``), flags the auditor gave, or the defaults below. The run's manifest is only
+*compared* against it; a run asking for anything outside it is refused with the field named.
+
+    field                where the auditor's value comes from            a run outside it
+    task                 contract / --task; else built-in tasks only     refused: no module the run names
+                                                                          is ever imported
+    task_source_sha256   contract (else: the trainer's, then the code     refused / rejected
+                         the auditor runs is hashed and compared)
+    config, seed,        contract (else: the run's, for a task the        refused
+    steps, every, bits,  auditor admitted)
+    mode
+    thresholds           ceilings: contract, else rules.DEFAULT_THRESHOLDS refused (a larger threshold makes
+                                                                          more results free value entries)
+    slack                the policy's (default 2.0); the run's may only    refused; the auditor checks with
+                         be smaller                                       its own
+    initial state        contract's hash, else rebuilt by the auditor     rejected
+                         (task built under the engine, runner.py)
+
+docs/SECURITY.md has the threat model this implements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from .store import FORMAT, RunError, RunRejected
+
+CONTRACT_FORMAT = "veritrain-contract/1"
+DEFAULT_SLACK = 2.0
+MODES = ("verified", "nolog", "fp64", "fp32")
+# pinned fields and their types (a contract may pin any of them; absent = the default policy)
+PINNABLE = {"task": str, "task_source_sha256": str, "config": dict, "seed": int, "steps": int,
+            "checkpoint_every": int, "bits": int, "mode": str, "thresholds": dict, "slack": (int, float),
+            "initial_state_sha256": str, "root": str}
+MAX_STEPS = 1 << 40
+
+
+class PolicyError(RunRejected):
+    """The run asks for something the auditor's policy does not allow (the message names the field)."""
+
+
+def _builtin_tasks() -> dict:
+    from .task import BUILTIN_TASKS
+
+    return BUILTIN_TASKS
+
+
+def _default_thresholds() -> dict:
+    from .rules import DEFAULT_THRESHOLDS
+
+    return dict(DEFAULT_THRESHOLDS)
+
+
+@dataclass
+class Policy:
+    """What the auditor accepts. ``None`` for a field means the default policy for it."""
+
+    task: str | None = None
+    task_source_sha256: str | None = None
+    config: dict | None = None
+    seed: int | None = None
+    steps: int | None = None
+    checkpoint_every: int | None = None
+    bits: int | None = None
+    mode: str | None = None
+    thresholds: dict = field(default_factory=_default_thresholds)  # ceilings per class
+    slack: float = DEFAULT_SLACK
+    initial_state_sha256: str | None = None
+    root: str | None = None
+    source: str = "default policy"  # where it came from, for messages
+
+    def __post_init__(self):
+        known = _default_thresholds()
+        ceilings = dict(known)
+        for k, v in (self.thresholds or {}).items():
+            if k not in known:
+                raise RunError(f"{self.source}: unknown threshold class {k!r}; known: {', '.join(known)}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise RunError(f"{self.source}: threshold for {k!r} must be a positive number, got {v!r}")
+            ceilings[k] = float(v)
+        self.thresholds = ceilings
+        if isinstance(self.slack, bool) or not isinstance(self.slack, (int, float)) \
+                or not (math.isfinite(self.slack) and 1.0 <= self.slack <= 16.0):
+            raise RunError(f"{self.source}: slack must be a number in [1, 16], got {self.slack!r}")
+        self.slack = float(self.slack)
+        if self.mode is not None and self.mode not in MODES:
+            raise RunError(f"{self.source}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str) -> "Policy":
+        """A contract file (``veritrain contract`` writes one)."""
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(1 << 20)
+            data = json.loads(raw)
+        except OSError as e:
+            raise RunError(f"cannot read contract {path}: {e.strerror or e}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise RunError(f"contract {path} is not valid JSON ({e})") from None
+        if not isinstance(data, dict) or data.get("format") != CONTRACT_FORMAT:
+            raise RunError(f"contract {path}: expected a JSON object with format {CONTRACT_FORMAT!r}")
+        unknown = set(data) - set(PINNABLE) - {"format"}
+        if unknown:
+            raise RunError(f"contract {path}: unknown fields {sorted(unknown)}")
+        kwargs = {}
+        for k, typ in PINNABLE.items():
+            v = data.get(k)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, typ):
+                raise RunError(f"contract {path}: field {k!r} has the wrong type ({type(v).__name__})")
+            kwargs[k] = v
+        return cls(**kwargs, source=f"contract {path}")
+
+    @classmethod
+    def from_options(cls, contract: str | None = None, task: str | None = None, root: str | None = None,
+                     slack: float | None = None) -> "Policy":
+        """The policy of a command line: a contract file and/or flags (a flag must agree with the contract)."""
+        p = cls.from_file(contract) if contract else cls()
+        for name, value in (("task", task), ("root", root)):
+            if value is None:
+                continue
+            if getattr(p, name) is not None and getattr(p, name) != value:
+                raise RunError(f"--{name} {value!r} contradicts the contract's {name} {getattr(p, name)!r}")
+            setattr(p, name, value)
+        if slack is not None:
+            p.slack = slack
+            p.__post_init__()
+        return p
+
+    def as_dict(self) -> dict:
+        return {"format": CONTRACT_FORMAT, **{k: getattr(self, k) for k in PINNABLE}}
+
+    # --- checking a run -------------------------------------------------------------------------
+
+    def allowed_task(self, ref) -> bool:
+        if not isinstance(ref, str):
+            return False
+        if self.task is not None:
+            return ref == self.task
+        return ref in _builtin_tasks()
+
+    def admit(self, manifest: dict, build: bool = True) -> "AdmittedRun":
+        """Compare a run's manifest with this policy; return the settings the auditor will use.
+
+        Raises PolicyError naming the first field outside the policy. With ``build``, the task's
+        defaults are read (this imports the task's module: only after the task itself is admitted).
+        """
+        where = "the run's manifest"
+
+        def refuse(field_name, why):
+            raise PolicyError(f"{where}: field {field_name!r} {why} ({self.source})")
+
+        if manifest.get("format") != FORMAT:
+            refuse("format", f"is {manifest.get('format')!r}, this auditor reads {FORMAT}")
+        task = manifest.get("task")
+        if not self.allowed_task(task):
+            if self.task is not None:
+                refuse("task", f"is {str(task)[:200]!r}, the policy's task is {self.task!r}")
+            refuse("task", f"is {str(task)[:200]!r}, which is not a built-in task ({', '.join(_builtin_tasks())}); "
+                           f"an auditor runs other code only when it names it itself (--task or a contract)")
+        src = manifest.get("task_source_sha256")
+        if self.task_source_sha256 is not None and src != self.task_source_sha256:
+            refuse("task_source_sha256", f"is {str(src)[:64]!r}, the policy's is {self.task_source_sha256!r}")
+        for name, typ in (("seed", int), ("steps", int), ("checkpoint_every", int), ("bits", int), ("mode", str),
+                          ("config", dict), ("thresholds", dict)):
+            v = manifest.get(name)
+            if isinstance(v, bool) or not isinstance(v, typ):
+                refuse(name, f"is missing or not a {typ.__name__}")
+        for name in ("seed", "steps", "checkpoint_every", "bits", "mode"):
+            pinned = getattr(self, name)
+            if pinned is not None and manifest[name] != pinned:
+                refuse(name, f"is {manifest[name]!r}, the policy requires {pinned!r}")
+        if manifest["mode"] not in MODES:
+            refuse("mode", f"is {manifest['mode']!r}, not one of {', '.join(MODES)}")
+        if not 23 <= manifest["bits"] <= 32:
+            refuse("bits", f"is {manifest['bits']!r}, not in 23..32")
+        if not 0 <= manifest["steps"] <= MAX_STEPS:
+            refuse("steps", f"is {manifest['steps']!r}, not in 0..{MAX_STEPS}")
+        if manifest["checkpoint_every"] <= 0:
+            refuse("checkpoint_every", "must be positive")
+        if not 0 <= manifest["seed"] < 2**63:
+            refuse("seed", "must be in 0..2**63-1")
+        thresholds = dict(_default_thresholds())
+        for k, v in manifest["thresholds"].items():
+            if k not in thresholds:
+                refuse("thresholds", f"names an unknown class {str(k)[:64]!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                refuse("thresholds", f"gives class {k!r} the value {v!r}, not a positive number")
+            thresholds[k] = float(v)
+        for k, v in thresholds.items():
+            if v > self.thresholds[k]:
+                refuse("thresholds", f"gives class {k!r} the threshold {v:g}, above the policy's ceiling "
+                                     f"{self.thresholds[k]:g} (a larger threshold lets the trainer choose more "
+                                     f"results freely)")
+        slack = manifest.get("slack", DEFAULT_SLACK)
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not math.isfinite(slack) \
+                or not 0 < slack <= self.slack:
+            refuse("slack", f"is {slack!r}, the policy allows at most {self.slack:g}")
+        init = manifest.get("initial_state_sha256")
+        if self.initial_state_sha256 is not None and init != self.initial_state_sha256:
+            refuse("initial_state_sha256", f"is {str(init)[:64]!r}, the policy pins {self.initial_state_sha256!r}")
+        config = manifest["config"]
+        if self.config is not None and build:
+            from .task import default_config
+
+            want = {**default_config(task), **self.config}
+            if config != want:
+                diff = sorted(k for k in set(want) | set(config) if want.get(k, object()) != config.get(k, object()))
+                refuse("config", f"differs from the policy's at keys {diff[:10]}")
+        return AdmittedRun(task=task, config=config, seed=manifest["seed"], steps=manifest["steps"],
+                           checkpoint_every=manifest["checkpoint_every"], bits=manifest["bits"],
+                           mode=manifest["mode"], thresholds=thresholds, slack=self.slack,
+                           initial_state_sha256=self.initial_state_sha256, policy=self)
+
+
+@dataclass
+class AdmittedRun:
+    """A run's settings after the policy admitted them: what the auditor builds and checks with.
+    ``slack`` is the auditor's own; ``thresholds`` are the run's, each within the policy's ceiling
+    (the trainer logged by them, so the auditor classifies with them)."""
+
+    task: str
+    config: dict
+    seed: int
+    steps: int
+    checkpoint_every: int
+    bits: int
+    mode: str
+    thresholds: dict
+    slack: float
+    initial_state_sha256: str | None
+    policy: Policy
+
+    def engine(self):
+        from .engine import EngineConfig
+
+        return EngineConfig(mode=self.mode, bits=self.bits, seed=self.seed, thresholds=self.thresholds,
+                            slack=self.slack)
+
+    def build_task(self, init_log=None):
+        """The task, built by this side's own code under the engine as the trainer built it (so data
+        randomness drawn while building is the same); ``init_log`` (a StepLogReader) replays the run's
+        initialisation decisions. Replays load their state from checked checkpoints afterwards."""
+        from .runner import build_initial
+        from .task import TaskError
+
+        try:
+            return build_initial(self.task, self.config, self.engine(), reader=init_log)
+        except TaskError as e:
+            raise RunError(f"cannot rebuild the run's task: {e}") from None
+
+
+def write_contract(path: str, policy: Policy):
+    from .store import write_json_atomic
+
+    if os.path.exists(path):
+        raise RunError(f"{path} already exists; choose a new path (nothing was overwritten)")
+    write_json_atomic(path, policy.as_dict())
+
+
+def trusted(manifest: dict) -> AdmittedRun:
+    """A run's settings taken as its manifest states them: only for a party replaying its *own* run (the
+    trainer's prover, resuming, experiments measuring their own runs), never for an auditor."""
+    from .rules import DEFAULT_THRESHOLDS
+
+    return AdmittedRun(task=manifest["task"], config=manifest["config"], seed=int(manifest["seed"]),
+                       steps=int(manifest["steps"]), checkpoint_every=int(manifest["checkpoint_every"]),
+                       bits=int(manifest["bits"]), mode=manifest["mode"],
+                       thresholds={**DEFAULT_THRESHOLDS, **manifest["thresholds"]},
+                       slack=float(manifest.get("slack", DEFAULT_SLACK)), initial_state_sha256=None,
+                       policy=Policy(source="the run's own manifest"))

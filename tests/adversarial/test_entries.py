@@ -1,0 +1,141 @@
+"""A dishonest trainer that hides its choices in log entries the auditor tolerates (issue 8, rows 1 and 13).
+
+The auditor accepts an entry only where its own classification says one is needed: a direction entry
+within slack * tau of a midpoint, a value entry where the error bound is not small against the grid
+spacing, with a grid value the honest trainer could have produced; never at a NaN or infinite result.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import audit_json
+from veritrain.engine import EngineConfig, VerifiedMode, _EagerSlot, step_context
+from veritrain.logformat import StepLogReader, StepLogWriter, read_records, write_records
+from veritrain.rounding import UNIT_ROUNDOFF, Grid
+from veritrain.runner import TrainOptions, train
+
+GRID = Grid(32)
+
+
+def largest_grid_point_at_most(t: torch.Tensor) -> torch.Tensor:
+    lower, upper, _ = GRID.cell(t)
+    return torch.where(t >= 0, lower, -upper).to(torch.float32)
+
+
+def dishonest_record(pushed: list, natural_only: bool):
+    """VerifiedMode._record of a trainer that adds value entries at positions that need none.
+
+    ``natural_only=False``: it pushes each such result up to the far edge of the window the old auditor
+    tolerated (|v - y| <= spacing / 2 + slack * tau) wherever that is another grid point than the honest
+    rounding, and trains on the pushed value. ``natural_only=True``: the entries hold the honest rounding
+    (no effect on the weights; still entries that no honest trainer writes)."""
+    orig = VerifiedMode._record
+
+    def record(self, slot, c):
+        e = orig(self, slot, c)
+        if self.step < 1 or not isinstance(slot, _EagerSlot) or slot.y64.numel() < 16:
+            return e
+        y = slot.y64.reshape(-1)
+        tau = c * UNIT_ROUNDOFF * slot.scale().reshape(-1)
+        spacing = GRID.spacing_at(y)
+        natural = GRID.round(y)
+        if natural_only:
+            v = natural
+            chosen = torch.isfinite(y) & (tau < spacing / 8)
+        else:
+            v = largest_grid_point_at_most(y + spacing / 2 + self.config.slack * tau)
+            chosen = torch.isfinite(y) & (tau < spacing / 8) & (v.view(torch.int32) != natural.view(torch.int32))
+        taken = torch.zeros_like(chosen)
+        for p in (e.dir_pos, e.val_pos):
+            taken[torch.from_numpy(np.asarray(p, dtype=np.int64))] = True
+        pos = (chosen & ~taken).nonzero().flatten()[:50]
+        if not len(pos):
+            return e
+        y32 = slot.y32.view(-1)
+        y32[pos] = v[pos]
+        allpos = np.concatenate([e.val_pos, pos.numpy()])
+        allval = np.concatenate([e.val_bits, y32[pos].view(torch.int32).numpy().view(np.uint32)])
+        order = np.argsort(allpos)
+        e.val_pos, e.val_bits = allpos[order], allval[order]
+        pushed.append(len(pos))
+        return e
+
+    return record
+
+
+@pytest.mark.parametrize("natural_only", [False, True], ids=["far-edge", "unneeded-but-harmless"])
+def test_row1_value_entries_where_none_is_needed_are_rejected(tmp_path, monkeypatch, natural_only):
+    pushed = []
+    monkeypatch.setattr(VerifiedMode, "_record", dishonest_record(pushed, natural_only))
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
+    monkeypatch.undo()
+    assert sum(pushed) > 0, "the dishonest trainer found nothing to push"
+    r = audit_json(run, "combo")
+    assert not r["accepted"], "value entries at positions that need none were accepted"
+    assert r["suspicious"] >= 1 and r["suspicious_details"][0]["kind"] == "value", r["suspicious_details"][:2]
+    assert any("suspicious" in x for x in r["reasons"])
+
+
+def step_log(tmp_path, fn, *inputs):
+    """Run ``fn`` as a one-op step under the trainer's engine; returns (log path, its records)."""
+    path = str(tmp_path / "step.vtlog")
+    w = StepLogWriter(path, 0, 32)
+    with step_context(EngineConfig(), 0, writer=w):
+        fn(*inputs)
+    w.close()
+    return path, read_records(path)
+
+
+def replay(path, fn, *inputs):
+    with StepLogReader(path, expect_step=0, expect_bits=32) as reader:
+        with step_context(EngineConfig(), 0, reader=reader) as mode:
+            out = fn(*inputs)
+    return mode.stats, out
+
+
+@pytest.mark.parametrize("kind", ["value", "direction"])
+@pytest.mark.parametrize("where", ["nan", "inf"])
+def test_row13_entries_at_nan_or_infinite_results_are_suspicious(tmp_path, kind, where):
+    x = torch.linspace(-3, 3, 64, dtype=torch.float32)
+    fn = torch.log if where == "nan" else (lambda t: torch.exp(t * 40))  # log(<0) = NaN, exp(120) = inf
+    path, (step, bits, ops) = step_log(tmp_path, fn, x)
+    y = fn(x.double())
+    bad = int((torch.isnan(y) if where == "nan" else torch.isinf(y.float())).nonzero()[0])
+    out = ops[-1].outputs[0]
+    if kind == "value":
+        out.val_pos = np.append(out.val_pos, bad).astype(np.int64)
+        out.val_bits = np.append(out.val_bits, np.float32(1.0).view(np.uint32))
+    else:
+        out.dir_pos = np.append(out.dir_pos, bad).astype(np.int64)
+        out.dir_bits = np.append(out.dir_bits, True)
+    write_records(path, step, bits, ops)
+    stats, _ = replay(path, fn, x)
+    assert stats.suspicious_count == 1, f"a {kind} entry at a {where} result passed silently"
+
+
+def test_row13_a_scalar_entry_on_a_non_finite_scalar_is_suspicious(tmp_path):
+    x = torch.ones(16)
+    fn = lambda t: torch.mul(t, float("inf"))  # noqa: E731
+    path, (step, bits, ops) = step_log(tmp_path, fn, x)
+    ops[-1].scalars.append((1, True))
+    write_records(path, step, bits, ops)
+    stats, _ = replay(path, fn, x)
+    assert stats.suspicious_count == 1
+
+
+def test_value_entries_inside_the_window_are_counted_as_the_trainers_freedom(tmp_path):
+    """A genuinely undetermined result (a product-sum whose terms cancel to rounding noise) needs a value
+    entry; the auditor accepts one inside its window and reports the window it left open."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1, 64, generator=g)
+    b = torch.randn(64, 32, generator=g)
+    b[-1] = (-(a[0, :-1].double() @ b[:-1].double()) / a[0, -1].double()).float()  # a @ b is nearly 0
+    path, (step, bits, ops) = step_log(tmp_path, torch.mm, a, b)
+    logged = sum(len(o.val_pos) for op in ops for o in op.outputs)
+    assert logged > 0
+    stats, _ = replay(path, torch.mm, a, b)
+    assert stats.suspicious_count == 0
+    f = stats.freedom()
+    assert f["value_entries"] == logged and f["value_window_total"] > 0 and f["value_window_cells"] > logged

@@ -1,0 +1,415 @@
+"""The verification game against a dishonest trainer and its prover (issue 8, rows #9-#12 and #14).
+
+Each test plays the trainer: it trains a run that breaks the rules (another step size for one optimizer
+op, other data for one step, a rounding steered far from any midpoint), commits to it, and answers the
+game with a prover that lies where it can (another non-tensor argument, a claim that a disputed input is
+another tensor of batch(step), a prover that trickles bytes or announces 10**10 steps). The auditor replays
+under another emulated CPU (``--variant combo``); the game must end with ``trainer_wrong`` or a refusal.
+"""
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, cli, recommit
+from veritrain import store
+from veritrain.commitments import batch_hash
+from veritrain.engine import OpTrace, VerifiedMode, _tensor_digest, dump_call, load_call
+from veritrain.policy import Policy
+from veritrain.protocol import Challenger, LocalProver
+from veritrain.rounding import Grid
+from veritrain.runner import TrainOptions, _prepare_batch, train
+from veritrain.server import HttpProver, make_server
+
+TASKS = os.path.join(REPO, "tests", "tasks")
+sys.path.insert(0, TASKS)  # in-process provers and challengers rebuild the test task
+ENV = {"PYTHONPATH": TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+POISONED = "poisoned_digits:make_task"
+POISON_STEP = 4  # interval 2 of 3
+LR_STEP = 3  # interval 1 of 3
+STEER_STEP = 3
+COMMON = dict(steps=6, checkpoint_every=2, progress=False)
+
+
+def audit(run, out, *extra, task=None):
+    """``veritrain audit RUN --out OUT`` under the combo CPU variant; returns (exit code, result, audit.json)."""
+    p = cli("audit", run, "--out", out, "--json", "--quiet", "--variant", "combo", *extra,
+            *(["--task", task] if task else []), env=ENV)
+    assert p.returncode in (0, 1), f"audit failed to run (exit {p.returncode}):\n{p.stderr}"
+    with open(os.path.join(out, "audit.json")) as f:
+        return p.returncode, json.loads(p.stdout), json.load(f)
+
+
+@contextlib.contextmanager
+def poisoned_data():
+    """The dishonest trainer's data pipeline (poisoned_digits reads this when the task is built)."""
+    old = os.environ.get("VERITRAIN_TEST_POISON_STEP")
+    os.environ["VERITRAIN_TEST_POISON_STEP"] = str(POISON_STEP)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["VERITRAIN_TEST_POISON_STEP"]
+        else:
+            os.environ["VERITRAIN_TEST_POISON_STEP"] = old
+
+
+class PoisonedProver(LocalProver):
+    """The trainer's own prover: it replays with the poisoned pipeline it trained with."""
+
+    def _rep(self):
+        if self._replayer is None:
+            with poisoned_data():
+                return super()._rep()
+        return self._replayer
+
+
+# --- #10 and #12: a step trained on other data, hidden from the data record ----------------------------
+
+
+@pytest.fixture(scope="module")
+def hidden_poison(tmp_path_factory):
+    """Step POISON_STEP trains on altered images; its committed data record claims the honest batch, so
+    only the state differs (no data finding: the game must reach the referee)."""
+    from veritrain.task import build
+
+    d = tmp_path_factory.mktemp("hidden")
+    run = d / "run"
+    with poisoned_data():
+        train(TrainOptions(task=POISONED, out=str(run), **COMMON))
+    m = store.load_manifest(str(run))
+    honest = build(POISONED, m["config"]).batch(POISON_STEP)
+    rp = run / store.record_name(POISON_STEP)
+    rec = json.loads(rp.read_bytes())
+    claimed = batch_hash(_prepare_batch(honest, m["mode"], Grid(int(m["bits"]))))
+    assert rec["batch_sha256"] != claimed
+    store.write_bytes_atomic(str(rp), store.record_bytes(POISON_STEP, claimed, rec["batch_indices"], rec["loss"],
+                                                         rec["log_sha256"]))
+    recommit(run)
+    return run, d
+
+
+def test_10_a_disputed_data_input_must_be_that_tensor_of_batch_step(hidden_poison):
+    """#10: in the game the prover claims the disputed input of the first op (conv1's images) is another
+    tensor of batch(step) (the labels, which batch(step) does yield): the referee must check the input by
+    its name and position, not by membership."""
+    run, d = hidden_poison
+    rc, result, audit_state = audit(run, d / "audit-full", task=POISONED)
+    assert rc == 1 and not result["accepted"]
+    assert not any("data record differs" in r for r in result["reasons"]), result["reasons"]
+
+    class ClaimsTheLabels(PoisonedProver):
+        def _labels(self, step):
+            return self._rep().batch(step)[1]
+
+        def _is_image_input(self, entry, j):
+            return (entry.get("sources") or [None] * (j + 1))[j] == "batch:[0]"
+
+        def op(self, step, index):
+            e = dict(super().op(step, index))
+            if step == POISON_STEP and any(self._is_image_input(e, j) for j in range(len(e["inputs"]))):
+                e["inputs"] = [_tensor_digest(self._labels(step)).hex() if self._is_image_input(e, j) else x
+                               for j, x in enumerate(e["inputs"])]
+                link = getattr(OpTrace, "link", None)  # a consistent liar: the entry hashes to its chain
+                if link is not None:
+                    prev = super().op(step, index - 1)["chain"] if index > 1 else ""
+                    e["chain"] = link(prev, e)
+            return e
+
+        def op_inputs(self, step, index):
+            payload = super().op_inputs(step, index)
+            entry = super().op(step, index)
+            if step != POISON_STEP or not any(self._is_image_input(entry, j) for j in range(len(entry["inputs"]))):
+                return payload
+            func, args, kwargs, random_index, tensors = load_call(payload)
+            from torch.utils._pytree import tree_flatten, tree_unflatten
+
+            leaves, spec = tree_flatten((args, kwargs))
+            k = 0
+            for i, x in enumerate(leaves):
+                if isinstance(x, torch.Tensor):
+                    if self._is_image_input(entry, k):
+                        leaves[i] = self._labels(step).clone()
+                    k += 1
+            args, kwargs = tree_unflatten(leaves, spec)
+            return dump_call(func, args, kwargs, random_index)
+
+    v = Challenger(ClaimsTheLabels(str(run)), audit_state, policy=Policy.from_options(task=POISONED)).play()
+    assert v["verdict"] == "trainer_wrong", v
+    assert v["step"] == POISON_STEP and v["operator"] == "aten.convolution.default", v
+    assert "batch(4)" in v["ruling"] and "[0]" in v["ruling"], v
+
+
+def test_12_disputes_work_after_partial_and_sampled_audits(hidden_poison):
+    """#12: an audit of some intervals (--intervals, --sample) can still blame the trainer in a dispute."""
+    from veritrain.runner import sample_intervals
+
+    run, d = hidden_poison
+    seed = next(s for s in range(100) if sample_intervals(1, s, 3) == [POISON_STEP // 2])
+    dirs = []
+    for name, extra in (("intervals", ["--intervals", str(POISON_STEP // 2)]),
+                        ("sample", ["--sample", "1", "--seed", str(seed)])):
+        rc, result, audit_state = audit(run, d / f"audit-{name}", *extra, task=POISONED)
+        assert rc == 1 and list(audit_state["leaves"]) == [str(POISON_STEP // 2)], (name, result)
+        dirs.append(d / f"audit-{name}")
+    # the trainer's prover over HTTP, in its own process with its poisoned pipeline
+    proc = subprocess.Popen([sys.executable, "-m", "veritrain.cli", "serve", str(run), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ENV, "VERITRAIN_TEST_POISON_STEP": str(POISON_STEP)})
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line, proc.stderr.read()
+        url = line.strip().rsplit(" ", 1)[-1]
+        for audit_dir in dirs:
+            p = cli("dispute", url, audit_dir, "--json", "--task", POISONED, env=ENV)
+            assert p.returncode == 1, (audit_dir, p.stdout, p.stderr)
+            v = json.loads(p.stdout)
+            assert v["verdict"] == "trainer_wrong", v
+            assert v["interval"] == POISON_STEP // 2 and v["step"] == POISON_STEP, v
+            assert v["operator"] == "aten.convolution.default" and "batch(4)" in v["ruling"], v
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+# --- #9: another non-tensor argument for one op ----------------------------------------------------------
+
+
+_LIE = {"on": False}
+
+
+@contextlib.contextmanager
+def doubled_step_size():
+    """While on, step LR_STEP's first AdamW update (aten.addcdiv_) runs with twice its step size: the
+    trainer's own code, so its log, checkpoints and prover's replays are consistent with it."""
+    orig = VerifiedMode.__torch_dispatch__
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.step == LR_STEP and func is torch.ops.aten.addcdiv_.default and not getattr(self, "_lied", False):
+            self._lied = True
+            kwargs = {**kwargs, "value": 2 * kwargs["value"]}
+        return orig(self, func, types, args, kwargs)
+
+    VerifiedMode.__torch_dispatch__ = dispatch
+    try:
+        yield
+    finally:
+        VerifiedMode.__torch_dispatch__ = orig
+
+
+class StepSizeProver(LocalProver):
+    def state_after(self, step):
+        with doubled_step_size():
+            return super().state_after(step)
+
+    def _trace(self, step, capture=None):
+        with doubled_step_size():
+            return super()._trace(step, capture)
+
+
+def test_9_the_referee_uses_its_own_non_tensor_arguments(tmp_path):
+    """#9: the trainer changed AdamW's step size in one addcdiv_ (its `value`); the prover's payload carries
+    that value. The referee must recompute with the argument of its own replay, not the prover's."""
+    run = tmp_path / "run"
+    with doubled_step_size():
+        train(TrainOptions(task="digits-cnn", out=str(run), **COMMON))
+    rc, result, audit_state = audit(run, tmp_path / "audit")
+    assert rc == 1 and not result["accepted"]
+    v = Challenger(StepSizeProver(str(run)), audit_state).play()
+    assert v["verdict"] == "trainer_wrong", v
+    assert v["interval"] == LR_STEP // 2 and v["step"] == LR_STEP, v
+    assert v["operator"] == "aten.addcdiv_.default" and v["module"] == "optimizer", v
+    assert v["referee_ops"] == 1, v
+    assert any("non-tensor arguments" in r for r in v["reasons"]), v
+
+
+# --- #11: a rounding steered far from any midpoint ----------------------------------------------------------
+
+
+def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_path):
+    """#11: every hash matches, the audit rejects only for one suspicious log entry; the game must not end
+    in no_dispute: the referee recomputes that op with the trainer's log record and confirms it."""
+    from veritrain.engine import _EagerSlot
+
+    grid = Grid(32)
+    orig = VerifiedMode._record
+    steered = {}
+
+    def record(self, slot, c):
+        e = orig(self, slot, c)
+        if self.step == STEER_STEP and not steered and isinstance(slot, _EagerSlot) and slot.y64.numel() >= 64 \
+                and str(slot.analysis.call.func) == "aten.addcdiv.default":  # AdamW's update, into the state
+            flat = slot.y64.reshape(-1)
+            y32 = slot.y32.view(-1)
+            taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
+            far = [p for p in (grid.midpoint_distance(flat) > grid.spacing_at(flat) / 4).nonzero().flatten().tolist()
+                   if p not in taken]
+            if far:
+                p = far[len(far) // 2]
+                away = not bool(y32[p].double().abs() > flat[p].abs())
+                y32[p] = grid.apply_direction(flat[p:p + 1], torch.tensor([away]))[0]
+                pos = np.append(e.dir_pos, p)
+                order = np.argsort(pos)
+                e.dir_pos, e.dir_bits = pos[order], np.append(e.dir_bits, away)[order]
+                steered.update(op=str(slot.analysis.call.func), position=p, op_index=self.op_index)
+        return e
+
+    run = tmp_path / "steered"
+    VerifiedMode._record = record
+    try:
+        train(TrainOptions(task="digits-cnn", out=str(run), **COMMON))
+    finally:
+        VerifiedMode._record = orig
+    assert steered, "found nothing to steer"
+    rc, result, _ = audit(run, tmp_path / "audit")
+    assert rc == 1 and result["suspicious"] == 1, result
+    assert all(c["match"] for c in result["checkpoints"]), "the dishonest trainer's commitments are self-consistent"
+    p = cli("dispute", run, tmp_path / "audit", "--json")
+    v = json.loads(p.stdout)
+    assert p.returncode == 1 and v["verdict"] == "trainer_wrong", (v, p.stderr)
+    assert v["step"] == STEER_STEP and v["operator"] == "aten.addcdiv_.default", v
+    assert v["operator_index"] == steered["op_index"] and v["referee_ops"] == 1, v
+    assert "suspicious" in v["ruling"] and str(steered["position"]) in v["ruling"], v
+
+
+# --- #14: provers that never finish ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("digits")
+    run = d / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), **COMMON))
+    rc, result, _ = audit(run, d / "audit")
+    assert rc == 0, result
+    return run, d / "audit"
+
+
+def dispute_process(url, audit_dir, *extra, timeout=60):
+    """``veritrain dispute`` in a child limited to 3 GiB of address space (an attack must not exhaust the
+    machine running the tests); returns (CompletedProcess, seconds)."""
+    import shlex
+
+    e = {k: v for k, v in os.environ.items() if k != "VERITRAIN_VARIANT_APPLIED"}
+    cmd = [sys.executable, "-m", "veritrain.cli", "dispute", url, str(audit_dir), "--json", *extra]
+    t0 = time.monotonic()
+    p = subprocess.run(["/bin/sh", "-c", f"ulimit -v {3 << 20}; exec {shlex.join(cmd)}"], capture_output=True,
+                       text=True, env=e, timeout=timeout)
+    return p, time.monotonic() - t0
+
+
+def test_14_a_prover_announcing_1e10_steps_is_refused(digits_run):
+    """#14: the manifest's steps_completed (no commitment covers it) announces 10**10 steps: the challenger
+    takes the number of intervals from the committed steps its policy admitted, and the prover loses."""
+    run, audit_dir = digits_run
+
+    class Announces(LocalProver):
+        def manifest(self):
+            return {**super().manifest(), "steps_completed": 10**10}
+
+    server = make_server(Announces(str(run)), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        p, _ = dispute_process(f"http://127.0.0.1:{server.server_address[1]}", audit_dir)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert p.returncode == 1 and p.stdout.strip(), p.stderr[-2000:]
+    v = json.loads(p.stdout)
+    assert v["verdict"] == "trainer_wrong" and "10000000000" in " ".join(v["reasons"]), v
+
+
+class Trickler:
+    """An HTTP server that answers every request by trickling one byte every ``every`` seconds (the body,
+    or the status line and headers themselves)."""
+
+    def __init__(self, where="body", every=2.0):
+        self.where, self.every = where, every
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.5)
+        self.stop = threading.Event()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+        try:
+            conn.recv(65536)
+            if self.where == "body":
+                conn.sendall(head)
+            for b in (head if self.where == "headers" else b" " * 100000):
+                if self.stop.wait(self.every):
+                    break
+                conn.sendall(bytes([b]) if isinstance(b, int) else b)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("where", ["body", "headers"])
+def test_14_a_trickling_prover_loses_on_the_whole_answer_deadline(digits_run, where):
+    """#14: one byte every 2 s never trips a per-read socket timeout; --timeout 5 is the whole answer's."""
+    _, audit_dir = digits_run
+    server = Trickler(where)
+    try:
+        p, seconds = dispute_process(server.url, audit_dir, "--timeout", "5", timeout=45)
+    finally:
+        server.close()
+    assert p.returncode == 1 and p.stdout.strip(), p.stderr[-2000:]
+    v = json.loads(p.stdout)
+    assert v["verdict"] == "trainer_wrong" and "timed out" in v["reasons"][0], v
+    assert seconds < 30, seconds
+
+
+def test_every_http_answer_has_a_size_cap():
+    """Beside #14: an answer announcing or streaming more than its route's cap is refused, unread."""
+    from veritrain.protocol import ProverError
+
+    class Huge(Trickler):
+        def _answer(self, conn):
+            try:
+                conn.recv(65536)
+                if self.where == "announce":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\n{")
+                else:  # no length: streams until the reader stops
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+                    chunk = b" " * (1 << 20)
+                    while not self.stop.is_set():
+                        conn.sendall(chunk)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    for where in ("announce", "stream"):
+        server = Huge(where)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ProverError, match="larger than"):
+                HttpProver(server.url, timeout=20).op_count(0)
+            assert time.monotonic() - t0 < 10
+        finally:
+            server.close()

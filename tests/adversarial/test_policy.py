@@ -1,0 +1,206 @@
+"""A dishonest trainer that edits what its run *asks for*: thresholds, slack, task, initial state, claims.
+
+Each test plays the attack of one row of issue 8's table (numbers in the names) against an auditor on
+another emulated CPU (`--variant combo`), and expects a refusal naming the field or a rejection (exit 1).
+Before the auditor had a policy of its own, every one of these was accepted (or ran the trainer's code).
+"""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import audit_json, cli, recommit
+from veritrain import store
+from veritrain.runner import TrainOptions, train
+
+AUDITOR = "combo"
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory):
+    run = tmp_path_factory.mktemp("honest") / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=4, checkpoint_every=2, progress=False))
+    return run
+
+
+def copy_run(honest, tmp_path, name="run"):
+    dst = tmp_path / name
+    shutil.copytree(honest, dst)
+    return dst
+
+
+def edit_manifest(run, **fields):
+    """What a dishonest trainer publishes: the manifest edited, then every commitment recomputed."""
+    m = store.load_manifest(str(run))
+    m.update(fields)
+    store.save_manifest(str(run), m)
+    return recommit(run)
+
+
+def test_row2_slack_of_1e300_is_refused(honest, tmp_path):
+    run = copy_run(honest, tmp_path)
+    edit_manifest(run, slack=1e300)
+    r = audit_json(run, AUDITOR)
+    assert not r["accepted"] and r.get("refused"), r
+    assert "'slack'" in r["reasons"][0]
+    p = cli("verify", run, "--json")
+    assert p.returncode == 1 and "'slack'" in p.stdout
+
+
+def test_row3_a_huge_elementwise_threshold_is_refused(tmp_path):
+    thresholds = tmp_path / "t.json"
+    thresholds.write_text(json.dumps({"elementwise": 1e18}))
+    run = tmp_path / "run"
+    cli("train", "digits-cnn", "--out", run, "--steps", 2, "--checkpoint-every", 2, "--thresholds", thresholds,
+        "--quiet", check=0)
+    assert store.load_manifest(str(run))["thresholds"]["elementwise"] == 1e18
+    r = audit_json(run, AUDITOR)
+    assert not r["accepted"] and r.get("refused")
+    assert "'thresholds'" in r["reasons"][0] and "elementwise" in r["reasons"][0], r["reasons"]
+    # a client that agreed to larger thresholds says so in its contract, and only up to what it agreed
+    contract = tmp_path / "contract.json"
+    cli("contract", "digits-cnn", "--out", contract, "--thresholds", thresholds, check=0)
+    r = audit_json(run, AUDITOR, "--contract", contract)
+    assert r["accepted"], r["reasons"]
+
+
+def test_row3_thresholds_below_the_ceiling_are_the_trainers_business(tmp_path):
+    """Smaller thresholds only make the trainer log less: accepted by the default policy (the honest
+    run still replays on this machine and its variants at digits-cnn's scale)."""
+    thresholds = tmp_path / "t.json"
+    thresholds.write_text(json.dumps({"elementwise": 16.0}))
+    run = tmp_path / "run"
+    cli("train", "digits-cnn", "--out", run, "--steps", 2, "--checkpoint-every", 2, "--thresholds", thresholds,
+        "--quiet", check=0)
+    assert audit_json(run, AUDITOR)["accepted"]
+
+
+def test_row4_initial_weights_of_the_trainers_choosing_are_rejected(tmp_path, monkeypatch):
+    """Same task source, but the trainer starts from weights it picked: every commitment is consistent
+    with that start, so only an auditor that rebuilds the initial state itself can see it."""
+    import torch
+
+    from veritrain import runner
+
+    honest_build = runner.build_initial
+
+    def chosen_start(*args, **kwargs):
+        task = honest_build(*args, **kwargs)
+        with torch.no_grad():
+            task.model.fc.bias.add_(0.5)  # e.g. a bias towards one class, planted before step 0
+        return task
+
+    monkeypatch.setattr(runner, "build_initial", chosen_start)
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=2, checkpoint_every=2, progress=False))
+    monkeypatch.setattr(runner, "build_initial", honest_build)
+    assert store.verify(str(run))["ok"], "the dishonest run is self-consistent"
+    r = audit_json(run, AUDITOR)
+    assert not r["accepted"]
+    assert any(x.startswith("initial state:") for x in r["reasons"]), r["reasons"]
+    assert all(c["match"] for c in r["checkpoints"]), "the steps themselves replay: only the start is wrong"
+
+
+def test_row4_a_contract_can_pin_the_initial_state(honest, tmp_path):
+    m = store.load_manifest(str(honest))
+    contract = tmp_path / "c.json"
+    cli("contract", "digits-cnn", "--out", contract, "--initial-state", "ab" * 32, check=0)
+    r = audit_json(honest, AUDITOR, "--contract", contract)
+    assert not r["accepted"] and "initial_state_sha256" in r["reasons"][0]
+    contract2 = tmp_path / "c2.json"
+    cli("contract", "digits-cnn", "--out", contract2, "--initial-state", m["initial_state_sha256"], "--steps", 4,
+        "--checkpoint-every", 2, "--seed", 0, "--mode", "verified", "--bits", 32, check=0)
+    assert audit_json(honest, AUDITOR, "--contract", contract2)["accepted"]
+    contract3 = tmp_path / "c3.json"
+    cli("contract", "digits-cnn", "--out", contract3, "--steps", 8, check=0)
+    r = audit_json(honest, AUDITOR, "--contract", contract3)
+    assert not r["accepted"] and "'steps'" in r["reasons"][0]
+
+
+@pytest.mark.parametrize("command", ["audit", "eval", "verify", "dispute"])
+def test_row5_a_task_named_by_the_run_is_never_imported(honest, tmp_path, command):
+    """``subprocess:run`` with a config whose keys are an argv: building that "task" runs a command."""
+    marker = tmp_path / "pwned"
+    run = copy_run(honest, tmp_path)
+    edit_manifest(run, task="subprocess:run", config={"touch": 0, str(marker): 0}, task_source_sha256=None)
+    if command == "dispute":
+        audit_dir = tmp_path / "audit"
+        cli("audit", honest, "--out", audit_dir, "--quiet", check=0)
+        p = cli("dispute", run, audit_dir, "--json")
+    else:
+        p = cli(command, run, *(["--quiet"] if command == "audit" else []))
+    assert not marker.exists(), f"`veritrain {command}` ran the trainer's command"
+    assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+    if command == "dispute":
+        assert json.loads(p.stdout)["verdict"] == "trainer_wrong"
+    else:
+        assert "'task'" in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+def test_row5_a_module_beside_the_run_is_not_imported_from_the_working_directory(honest, tmp_path):
+    """`python -m` puts the working directory on sys.path: an auditor that runs in the trainer's folder
+    must still not import a module the run names."""
+    marker = tmp_path / "pwned"
+    run = copy_run(honest, tmp_path)
+    (run / "evil_task.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                      "from veritrain.tasks.digits_cnn import make_task, DEFAULTS\n")
+    edit_manifest(run, task="evil_task:make_task")
+    p = cli("audit", ".", "--quiet", "--variant", AUDITOR, cwd=run)
+    assert not marker.exists(), "the auditor imported the trainer's module"
+    assert p.returncode == 1 and "'task'" in p.stderr
+    # named by the auditor itself, the same module is the auditor's choice (and then it is run)
+    p = cli("audit", ".", "--quiet", "--task", "evil_task:make_task", cwd=run, env={"PYTHONPATH": str(run)})
+    assert marker.exists()
+
+
+def test_row15_an_edited_evaluation_is_shown_as_the_trainers_unverified_claim(honest, tmp_path):
+    run = copy_run(honest, tmp_path)
+    m = store.load_manifest(str(run))
+    m["evaluation"] = {"accuracy": 0.999, "loss": 0.001, "examples": 297}
+    store.save_manifest(str(run), m)
+    v = json.loads(cli("verify", run, "--json", check=0).stdout)
+    assert v["unverified"]["evaluation"]["accuracy"] == 0.999
+    a = audit_json(run, AUDITOR)
+    assert a["accepted"] and a["unverified"]["evaluation"]["accuracy"] == 0.999
+    p = cli("audit", run, "--quiet")
+    assert "unverified" in p.stdout and "evaluation" in p.stdout
+    e = json.loads(cli("eval", run, "--json", check=0).stdout)
+    assert e["accuracy"] != 0.999, "eval recomputes the metric from the committed state"
+
+
+def test_row15_a_zero_step_run_commits_to_its_initial_state(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    cli("train", "digits-cnn", "--out", a, "--steps", 0, "--quiet", check=0)
+    cli("train", "digits-cnn", "--out", b, "--steps", 0, "--set", "width=8", "--quiet", check=0)
+    ra, rb = store.load_manifest(str(a))["root"], store.load_manifest(str(b))["root"]
+    empty = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # SHA-256 of nothing
+    assert ra != rb and empty not in (ra, rb)
+    assert audit_json(a, AUDITOR)["accepted"]
+    # a 0-step run whose initial state was swapped for another model's is rejected
+    shutil.copy(b / store.ckpt_name(0), a / store.ckpt_name(0))
+    m = store.load_manifest(str(a))
+    mb = store.load_manifest(str(b))
+    m["checkpoints"] = mb["checkpoints"]
+    m["initial_state_sha256"] = mb["initial_state_sha256"]
+    store.save_manifest(str(a), m)
+    run_sha = store.run_sha256(m)
+    m["leaves"] = [store.leaf_data(0, 0, 0, run_sha, m["initial_state_sha256"], []).hex()]
+    m["root"] = store.tree_of([bytes.fromhex(m["leaves"][0])]).root().hex()
+    store.save_manifest(str(a), m)
+    r = audit_json(a, AUDITOR)
+    assert not r["accepted"] and any("initial state" in x for x in r["reasons"]), r["reasons"]
+
+
+def test_sampled_audits_draw_unpredictable_intervals_and_can_be_repeated(tmp_path):
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=8, checkpoint_every=1, progress=False))
+    seen, seeds = set(), set()
+    for _ in range(3):
+        r = audit_json(run, "native", "--sample", 2)
+        assert r["accepted"] and r["sample_seed"] is not None
+        seeds.add(r["sample_seed"])
+        seen.add(tuple(i["interval"] for i in r["intervals"]))
+    assert len(seeds) == 3, "each sampled audit draws a fresh seed"
+    again = audit_json(run, "native", "--sample", 2, "--seed", r["sample_seed"])
+    assert [i["interval"] for i in again["intervals"]] == [i["interval"] for i in r["intervals"]]

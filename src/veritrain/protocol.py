@@ -176,6 +176,7 @@ class Prover(typing.Protocol):
     def leaf(self, index: int) -> tuple[bytes, list[bytes]]: ...
     def checkpoint(self, step: int) -> bytes: ...
     def log(self, step: int) -> bytes: ...
+    def init_log(self) -> bytes: ...
     def record(self, step: int) -> bytes: ...
     def state_after(self, step: int) -> str: ...
     def op_count(self, step: int) -> int: ...
@@ -215,6 +216,9 @@ class LocalProver(Prover):
 
     def log(self, step):
         return self._read(store.log_name(step))
+
+    def init_log(self):
+        return self._read(store.INIT_LOG)
 
     def record(self, step):
         return self._read(store.record_name(step))
@@ -387,10 +391,13 @@ class Challenger:
         v = Verdict(verdict="no_dispute", interval=None, step=None, operator=None, module=None, queries=0,
                     referee_ops=0, referee_bytes=0, interval_replay_ops=0, reasons=[])
         try:
-            i = self.first_disputed_interval()
-            if i is not None:
-                v.update(interval=i, verdict="trainer_wrong")
-                self._dispute_interval(i, v)
+            if self.audit.get("initial_state_reasons"):
+                self._dispute_initial_state(v)
+            if v["verdict"] != "trainer_wrong":
+                i = self.first_disputed_interval()
+                if i is not None:
+                    v.update(interval=i, verdict="trainer_wrong")
+                    self._dispute_interval(i, v)
             if v["verdict"] != "trainer_wrong":
                 self._dispute_suspicious(v)
         except _Lost as e:
@@ -400,6 +407,44 @@ class Challenger:
         v["bytes_received"] = self.bytes
         v["seconds"] = time.perf_counter() - t0
         return v
+
+    def _dispute_initial_state(self, v: Verdict):
+        """The audit found that its own build of the task does not give the run's initial state (row 4 of
+        docs/SECURITY.md). The referee builds the task once more, with the trainer's committed
+        initialisation log, and compares: the step-0 state is the trainer's to get right."""
+        from .runner import _prepare_model
+
+        reader = None
+        if self.run.mode == "verified":
+            raw = self.ask("the initialisation log", self.p.init_log)
+            if hashlib.sha256(raw).hexdigest() != self.m.get("init_log_sha256"):
+                raise _Lost("the prover's initialisation log is not the one its manifest commits to")
+            try:
+                reader = StepLogReader(raw, expect_step=0, expect_bits=self.run.bits)
+            except LogFormatError as e:
+                raise _Lost(f"the trainer's initialisation log is malformed ({e})") from None
+            v["referee_bytes"] += len(raw)
+        with self._replaying("initial state"):
+            try:
+                task = self.run.build_task(init_log=reader)
+            finally:
+                if reader is not None:
+                    reader.close()
+        _prepare_model(task, self.run.mode, Grid(self.run.bits))
+        v["referee_ops"] += task.init_stats.ops
+        h = hash_state(task.model, task.optimizer, task.scheduler, 0)
+        wants = [("the run", self.m.get("initial_state_sha256")), ("the policy", self.run.initial_state_sha256)]
+        wrong = [who for who, want in wants if want is not None and want != h] or \
+            (["the run"] if self.m.get("initial_state_sha256") is None else [])
+        if wrong or task.init_stats.suspicious_count:
+            v["verdict"] = "trainer_wrong"
+            v["ruling"] = (f"initial state: the task built with the trainer's initialisation log hashes to "
+                           f"{h[:16]}…, not to the state {' and '.join(wrong)} commits to" if wrong else
+                           f"initial state: {task.init_stats.suspicious_count} suspicious entries in the "
+                           f"initialisation log")
+        else:
+            v["verdict"] = "auditor_wrong"
+            v["reasons"].append("initial state: the referee's build of the task gives the committed initial state")
 
     @contextlib.contextmanager
     def _replaying(self, what: str):

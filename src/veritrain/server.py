@@ -72,6 +72,8 @@ def make_server(prover: Prover, host: str = "127.0.0.1", port: int = 0) -> Threa
                         return self._json(200, {"data": data.hex(), "proof": [p.hex() for p in proof]})
                     if route in ("checkpoint", "log", "record"):
                         return self._send(200, getattr(prover, route)(ints["step"]), "application/octet-stream")
+                    if route == "init_log":
+                        return self._send(200, prover.init_log(), "application/octet-stream")
                     if route == "state_after":
                         return self._json(200, {"state_sha256": prover.state_after(ints["step"])})
                     if route == "op_count":
@@ -204,6 +206,9 @@ class HttpProver(Prover):
 
     def log(self, step):
         return self._get("log", step=step)
+
+    def init_log(self):
+        return self._get("init_log")
 
     def record(self, step):
         return self._get("record", step=step)

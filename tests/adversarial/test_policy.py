@@ -100,6 +100,12 @@ def test_row4_initial_weights_of_the_trainers_choosing_are_rejected(tmp_path, mo
     assert not r["accepted"]
     assert any(x.startswith("initial state:") for x in r["reasons"]), r["reasons"]
     assert all(c["match"] for c in r["checkpoints"]), "the steps themselves replay: only the start is wrong"
+    # and in the game: the referee builds the task once more with the trainer's initialisation log
+    audit_dir = tmp_path / "audit"
+    cli("audit", run, "--out", audit_dir, "--quiet", "--variant", AUDITOR, check=1)
+    p = cli("dispute", run, audit_dir, "--json", check=1)
+    v = json.loads(p.stdout)
+    assert v["verdict"] == "trainer_wrong" and v["ruling"].startswith("initial state"), v
 
 
 def test_row4_a_contract_can_pin_the_initial_state(honest, tmp_path):

@@ -410,8 +410,13 @@ def _compare(args) -> int:
     from .calibrate import CompareProbe
     from .runner import audit
 
+    from .policy import Policy
+    from .store import load_manifest
+
     probe = CompareProbe(args.probe_dir)
-    r = audit(args.run_dir, None, progress=False, probe=probe)
+    # calibrate's own run, trained by this same command a moment ago: its task is the caller's choice
+    policy = Policy(task=load_manifest(args.run_dir)["task"], source="calibrate's own run")
+    r = audit(args.run_dir, None, progress=False, probe=probe, policy=policy)
     out = {"variant": os.environ.get(hardware.APPLIED, "native"), "accepted": r.accepted, "reasons": r.reasons,
            "hardware": r.hardware, **probe.report()}
     with open(args.out, "w") as f:

@@ -404,10 +404,14 @@ def _reduction_sum(call):
     n = _count(x, dims)
     ax = x.abs()
     s = ax.sum(dims, keepdim=keep) if x.dim() else ax
-    if call.func._overloadpacket in (aten.mean, aten.nanmean):
-        s = s / max(n, 1)  # the division (or a multiplication by 1/n) is one more rounding
-        return [_sqrt(n) * s.reshape(call.outputs[0].shape)]
     q = _min_quantum(ax, dims, keep) if x.dim() else _quantum(ax)
+    if call.func._overloadpacket in (aten.mean, aten.nanmean):
+        scale = _sqrt(n) * s / max(n, 1)  # the division (or a multiplication by 1/n) is one more rounding
+        if n & (n - 1) == 0 and call.func._overloadpacket is aten.mean:
+            # dividing by a power of two is exact, before or after summing: an exact sum gives an exact
+            # mean on every machine (average pooling over 2x2, 4x4, ... windows, means over 2**k rows)
+            scale = _certify(scale, s, q)
+        return [scale.reshape(call.outputs[0].shape)]
     return [_certify(_sqrt(n) * s, s, q).reshape(call.outputs[0].shape)]
 
 

@@ -139,3 +139,17 @@ def test_value_entries_inside_the_window_are_counted_as_the_trainers_freedom(tmp
     assert stats.suspicious_count == 0
     f = stats.freedom()
     assert f["value_entries"] == logged and f["value_window_total"] > 0 and f["value_window_cells"] > logged
+
+
+@pytest.mark.parametrize("n, logged", [(16, 0), (12, 1)])
+def test_a_mean_over_a_power_of_two_of_an_exact_sum_leaves_no_choice(tmp_path, n, logged):
+    """Shrinking the freedom where the result is determined: the mean of float32 values over 2**k
+    elements is exact on every machine when their sum is (summing, then scaling by 2**-k, in any order),
+    so even a mean that lands exactly on a float32 tie needs no entry: ties-to-even decides. Over 12
+    elements the division rounds, so the same tie is still the trainer's to log."""
+    x = torch.tensor([1.0, 1.0 + 2.0**-23] * (n // 2)).reshape(1, n)  # mean = 1 + 2**-24: a float32 tie
+    fn = lambda t: torch.mean(t, 1)  # noqa: E731
+    path, (step, bits, ops) = step_log(tmp_path, fn, x)
+    assert sum(len(o.dir_pos) + len(o.val_pos) for op in ops for o in op.outputs) == logged
+    stats, out = replay(path, fn, x)
+    assert stats.suspicious_count == 0 and float(out[0]) == 1.0

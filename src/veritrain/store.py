@@ -164,7 +164,7 @@ def _open_regular(path: str, display: str, name: str, what: str, cap: int, dir_f
     try:
         before = os.stat(path, follow_symlinks=False, **at)
     except FileNotFoundError:
-        raise RunFileError(name, display, "is missing", missing=True) from None
+        raise RunFileError(name, display, "does not exist", missing=True) from None
     except OSError as e:
         raise RunFileError(name, display, f"cannot be read ({e.strerror})") from None
     if not stat.S_ISREG(before.st_mode):  # refused before opening: opening a device can have effects
@@ -176,7 +176,7 @@ def _open_regular(path: str, display: str, name: str, what: str, cap: int, dir_f
         fd = os.open(path, _OPEN_FLAGS, **at)
     except OSError as e:
         if e.errno == errno.ENOENT:
-            raise RunFileError(name, display, "is missing", missing=True) from None
+            raise RunFileError(name, display, "does not exist", missing=True) from None
         if e.errno in (errno.ELOOP, errno.EMLINK):
             raise RunFileError(name, display, _not_regular(stat.S_IFLNK)) from None
         raise RunFileError(name, display, f"cannot be opened ({e.strerror})") from None

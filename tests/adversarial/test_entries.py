@@ -153,3 +153,43 @@ def test_a_mean_over_a_power_of_two_of_an_exact_sum_leaves_no_choice(tmp_path, n
     assert sum(len(o.dir_pos) + len(o.val_pos) for op in ops for o in op.outputs) == logged
     stats, out = replay(path, fn, x)
     assert stats.suspicious_count == 0 and float(out[0]) == 1.0
+
+
+def test_a_rounding_flipped_beyond_the_error_bound_is_rejected(tmp_path, monkeypatch):
+    """Slack tolerates entries the trainer logged; it does not widen what an honest trainer could have
+    *chosen*. A trainer that overrides the rounding of results between tau and slack * tau from a
+    midpoint (no honest result within tau of ours rounds that way) is rejected."""
+    orig = VerifiedMode._record
+    flipped = []
+
+    def record(self, slot, c):
+        e = orig(self, slot, c)
+        if self.step < 1 or not isinstance(slot, _EagerSlot) or slot.y64.numel() < 16:
+            return e
+        y = slot.y64.reshape(-1)
+        tau = c * UNIT_ROUNDOFF * slot.scale().reshape(-1)
+        dist = GRID.midpoint_distance(y)
+        chosen = torch.isfinite(y) & (dist > 1.1 * tau) & (dist < 1.9 * tau) & (tau < GRID.spacing_at(y) / 8)
+        taken = torch.zeros_like(chosen)
+        for p in (e.dir_pos, e.val_pos):
+            taken[torch.from_numpy(np.asarray(p, dtype=np.int64))] = True
+        pos = (chosen & ~taken).nonzero().flatten()[:20]
+        if not len(pos):
+            return e
+        y32 = slot.y32.view(-1)
+        away = ~(GRID.round(y[pos]).double().abs() > y[pos].abs())  # the other neighbour
+        y32[pos] = GRID.apply_direction(y[pos], away)
+        allpos = np.concatenate([e.dir_pos, pos.numpy()])
+        order = np.argsort(allpos)
+        e.dir_pos, e.dir_bits = allpos[order], np.concatenate([e.dir_bits, away.numpy()])[order]
+        flipped.append(len(pos))
+        return e
+
+    monkeypatch.setattr(VerifiedMode, "_record", record)
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
+    monkeypatch.undo()
+    assert sum(flipped) > 0, "nothing between tau and 2 tau to flip"
+    r = audit_json(run, "combo")
+    assert not r["accepted"] and r["suspicious"] >= 1
+    assert r["suspicious_details"][0]["kind"] == "direction"

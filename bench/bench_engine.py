@@ -3,6 +3,7 @@
 
     python bench/bench_engine.py                      # GPT-2 117M (batch 8 x 64) and ResNet-18 (batch 32)
     python bench/bench_engine.py --workloads resnet18 --steps 3 --no-write
+    python bench/bench_engine.py --device cuda           # every mode on the GPU (default: cpu)
 
 The measurement is veritrain.experiments.timecost.measure (the `time` experiment's): every step index
 runs in every mode, in rotated order, the first step not counted; ratios are per-step, then the median.
@@ -35,28 +36,30 @@ WORKLOADS = {
 }
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    gpu = f"; device {device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else ""
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads, "
-            f"{torch.backends.cpu.get_cpu_capability()}), Python {platform.python_version()}")
+            f"{torch.backends.cpu.get_cpu_capability()}), Python {platform.python_version()}{gpu}")
 
 
-def bench(name: str, steps: int, shared: str) -> dict:
+def bench(name: str, steps: int, shared: str, device: str = "cpu") -> dict:
     task_ref, make_config, description = WORKLOADS[name]
-    r = measure(task_ref, make_config(shared), steps, progress=lambda line: print(f"  {name}{line}", flush=True))
+    r = measure(task_ref, make_config(shared), steps, progress=lambda line: print(f"  {name}{line}", flush=True),
+                device=device)
     return {"name": name, "description": description, **r}
 
 
-def markdown(results: list, command: str) -> str:
+def markdown(results: list, command: str, device: str = "cpu") -> str:
     lines = ["# Benchmarks", "", "Written by `bench/bench_engine.py`. Per-step times are medians over the counted steps; "
              "ratios are per-step ratios to plain float64 measured in the same process, then the median. "
              "Timings on a shared 2-core machine swing; compare ratios, not absolute times.", "",
-             f"Command: `{command}`", "", f"Machine: {machine()}", "",
+             f"Command: `{command}`", "", f"Machine: {machine(device)}", "",
              "## Per-step cost", "",
              "| workload | steps | fp32 / fp64 | trainer / fp64 | auditor / fp64 | fp64 step (median) "
              "| rounded values | log entries | log bytes | dense 1.6-bit encoding | log / dense |",
@@ -94,8 +97,13 @@ def main(argv=None):
     ap.add_argument("--shared", default=os.path.join(ROOT, "..", "shared", "data"))
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]", help="where every mode runs (default cpu)")
     args = ap.parse_args(argv)
     hardware.apply_process_settings()
+    try:
+        device = str(hardware.parse_device(args.device))
+    except hardware.DeviceError as e:
+        ap.error(str(e))
     names = [w for w in args.workloads.split(",") if w]
     for w in names:
         if w not in WORKLOADS:
@@ -103,8 +111,9 @@ def main(argv=None):
     results = []
     for w in names:
         print(f"{w}:", flush=True)
-        results.append(bench(w, args.steps, args.shared))
-    text = markdown(results, "python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        results.append(bench(w, args.steps, args.shared, device))
+    text = markdown(results, "python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    device)
     print(text)
     if not args.no_write:
         # keep the experiments' section (bench/run_experiments.py) that follows ours

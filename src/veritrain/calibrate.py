@@ -172,20 +172,21 @@ def recommend(reports: dict, defaults: dict, safety: float = SAFETY) -> dict:
 
 
 def calibrate(task: str, config: dict, steps: int, variants: list, out_dir: str, seed: int = 0, bits: int = 32,
-              progress: bool = True) -> dict:
+              progress: bool = True, device="cpu") -> dict:
     from .rules import DEFAULT_THRESHOLDS
     from .runner import TrainOptions, train
 
     run_dir, probe_dir = os.path.join(out_dir, "run"), os.path.join(out_dir, "probe")
     ref = ReferenceProbe(probe_dir)
     train(TrainOptions(task=task, out=run_dir, steps=steps, checkpoint_every=max(steps, 1), bits=bits, seed=seed,
-                       config=config, progress=progress), probe=ref)
+                       config=config, progress=progress, device=str(device)), probe=ref)
     ref.close()
     reports = {}
     for v in variants:
         path = os.path.join(out_dir, f"variant-{v}.json")
         rc = subprocess.call([sys.executable, "-m", "veritrain.cli", "_compare", run_dir, probe_dir, "--out", path,
-                              "--variant", v], env={**os.environ, "VERITRAIN_CALIBRATE_BITS": str(bits)})
+                              "--variant", v, "--device", str(device)],
+                             env={**os.environ, "VERITRAIN_CALIBRATE_BITS": str(bits)})
         if rc not in (0, 1):
             raise RuntimeError(f"calibration replay under variant {v} failed (exit {rc})")
         with open(path) as f:

@@ -21,6 +21,12 @@ def _variant_arg(p):
                    help="run this command as if on other hardware (re-runs it in a child process)")
 
 
+def _device_arg(p):
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]",
+                   help="where the float64 evaluation runs (default cpu); the run's files do not depend on it, so a "
+                        "run trained on a GPU can be audited on a CPU and the other way round")
+
+
 def _policy_args(p):
     p.add_argument("--contract", help="the client's contract (veritrain contract writes one): the settings this "
                                       "auditor accepts; without it, the default policy (built-in tasks, default "
@@ -54,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue the killed run in --out from its last complete checkpoint")
     t.add_argument("--quiet", action="store_true")
+    _device_arg(t)
     _variant_arg(t)
 
     a = sub.add_parser("audit", help="replay a run's intervals and check each against the committed root")
@@ -69,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print the result as JSON")
     a.add_argument("--quiet", action="store_true")
     _policy_args(a)
+    _device_arg(a)
     _variant_arg(a)
 
     k = sub.add_parser("contract", help="write the client's contract: the settings an auditor will accept")
@@ -98,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, help="the checkpoint after this many steps (default: the last)")
     e.add_argument("--json", action="store_true")
     _policy_args(e)
+    _device_arg(e)
 
     x = sub.add_parser("experiment", help="run one of the paper's experiments (table CSV + Markdown, plot PNG)")
     from .experiments import add_arguments
@@ -109,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     rpl = sub.add_parser("_replay")  # internal: continuous replay for the divergence experiment
     rpl.add_argument("run_dir")
     rpl.add_argument("--out", required=True)
+    _device_arg(rpl)
     _variant_arg(rpl)
 
     v = sub.add_parser("verify", help="check every file of a run against its manifest and root (no replay)")
@@ -125,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("run_dir")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=int, default=8337, help="port (0: any free port)")
+    _device_arg(sv)
 
     g = sub.add_parser("dispute", help="play the verification game against a run (directory or http://HOST:PORT)")
     g.add_argument("prover", help="the trainer's run directory or http://HOST:PORT of `veritrain serve`")
@@ -134,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "(connecting, headers and body together)")
     g.add_argument("--json", action="store_true")
     _policy_args(g)
+    _device_arg(g)
 
     c = sub.add_parser("calibrate", help="measure float64 differences across hardware variants; write thresholds")
     c.add_argument("task")
@@ -145,11 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--bits", type=int, default=32)
     c.add_argument("--out", required=True, help="new folder for the calibration run and its report")
     c.add_argument("--quiet", action="store_true")
+    _device_arg(c)
 
     cmp_ = sub.add_parser("_compare")  # internal: one variant's replay for calibrate
     cmp_.add_argument("run_dir")
     cmp_.add_argument("probe_dir")
     cmp_.add_argument("--out", required=True)
+    _device_arg(cmp_)
     _variant_arg(cmp_)
     return parser
 
@@ -164,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch  # noqa: F401
 
         hardware.apply_process_settings()
+        if getattr(args, "device", None) is not None:  # checked before anything is written
+            args.device = str(hardware.parse_device(args.device))
         return _dispatch(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -211,7 +227,7 @@ def _dispatch(args) -> int:
     if args.command == "eval":
         from .runner import evaluate_run
 
-        r = evaluate_run(args.run_dir, args.step, policy=_policy(args))
+        r = evaluate_run(args.run_dir, args.step, policy=_policy(args), device=args.device)
         print(json.dumps(r, indent=1, sort_keys=True) if args.json else
               f"{r['task']} after {r['step']} steps: " + ", ".join(
                   f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
@@ -221,7 +237,7 @@ def _dispatch(args) -> int:
         from .experiments.divergence import replay_distances
 
         with open(args.out, "w") as f:
-            json.dump(replay_distances(args.run_dir), f)
+            json.dump(replay_distances(args.run_dir, device=args.device), f)
         return 0
     if args.command == "experiment":
         from .experiments import run_experiment
@@ -332,7 +348,7 @@ def _serve(args) -> int:
     from .protocol import LocalProver
     from .server import make_server
 
-    prover = LocalProver(args.run_dir)
+    prover = LocalProver(args.run_dir, device=args.device)
     server = make_server(prover, args.host, args.port)
     host, port = server.server_address[:2]
     print(f"serving {args.run_dir} (root {prover.manifest().get('root')}) on http://{host}:{port}", flush=True)
@@ -361,9 +377,9 @@ def _dispute(args) -> int:
     if args.prover.startswith(("http://", "https://")):
         prover = HttpProver(args.prover, timeout=args.timeout)
     else:
-        prover = LocalProver(args.prover)
+        prover = LocalProver(args.prover, device=args.device)
     try:
-        verdict = Challenger(prover, audit_state, args.root, policy=_policy(args)).play()
+        verdict = Challenger(prover, audit_state, args.root, policy=_policy(args), device=args.device).play()
     except _Lost as e:
         verdict = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None, "module": None,
                    "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
@@ -393,7 +409,7 @@ def _calibrate(args) -> int:
             raise ValueError(f"unknown variant {v!r}; known: {', '.join(hardware.VARIANTS)}")
     _check_new_run_dir(args.out)
     r = calibrate(args.task, parse_overrides(args.set, {}), args.steps, variants, args.out, seed=args.seed,
-                  bits=args.bits, progress=not args.quiet)
+                  bits=args.bits, progress=not args.quiet, device=args.device)
     print(f"{'class':14s} {'max ratio':>10s} {'default c':>10s} {'margin':>8s} {'recommended':>12s}")
     for cls, v in r["per_class"].items():
         margin = "inf" if math.isinf(v["margin_of_default"]) else f"{v['margin_of_default']:.0f}x"
@@ -416,7 +432,7 @@ def _compare(args) -> int:
     probe = CompareProbe(args.probe_dir)
     # calibrate's own run, trained by this same command a moment ago: its task is the caller's choice
     policy = Policy(task=load_manifest(args.run_dir)["task"], source="calibrate's own run")
-    r = audit(args.run_dir, None, progress=False, probe=probe, policy=policy)
+    r = audit(args.run_dir, None, progress=False, probe=probe, policy=policy, device=args.device)
     out = {"variant": os.environ.get(hardware.APPLIED, "native"), "accepted": r.accepted, "reasons": r.reasons,
            "hardware": r.hardware, **probe.report()}
     with open(args.out, "w") as f:
@@ -431,7 +447,7 @@ def _train(args) -> int:
     thresholds = _read_thresholds(args.thresholds) if args.thresholds else None
     m = train(TrainOptions(task=args.task, out=args.out, steps=args.steps, checkpoint_every=args.checkpoint_every,
                            bits=args.bits, seed=args.seed, config=parse_overrides(args.set, {}), mode=args.mode,
-                           thresholds=thresholds, progress=not args.quiet, resume=args.resume))
+                           thresholds=thresholds, progress=not args.quiet, resume=args.resume, device=args.device))
     last = m["checkpoints"][-1]
     print(f"trained {m['task']} for {m['steps_completed']} steps (mode {m['mode']}, b={m['bits']}) -> {args.out}")
     print(f"final state hash (step {last['step']}): {last['state_sha256']}")
@@ -448,12 +464,12 @@ def _audit(args) -> int:
     if args.intervals and args.sample:
         raise ValueError("use either --intervals or --sample, not both")
     r = audit(args.run_dir, args.out, progress=not args.quiet, intervals=args.intervals, sample=args.sample,
-              sample_seed=args.seed, root=args.root, policy=_policy(args))
+              sample_seed=args.seed, root=args.root, policy=_policy(args), device=args.device)
     if args.json:
         print(json.dumps(r.as_dict(), indent=1, sort_keys=True))
     else:
         print(f"audit of {args.run_dir} on {r.hardware['variant']} ({r.hardware['cpu_capability']}, "
-              f"{r.hardware['threads']} threads)")
+              f"{r.hardware['threads']} threads, device {r.hardware['device']})")
         for iv in r.intervals:
             a, b = iv["steps"]
             print(f"  interval {iv['interval']:4d} (steps {a}..{b - 1})  "

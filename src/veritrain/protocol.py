@@ -39,6 +39,7 @@ from .logformat import LogFormatError, StepLogReader
 from .merkle import children, leaf_hash, node_hash, verify_inclusion
 from .rounding import Grid
 from .policy import AdmittedRun, Policy, trusted
+from .task import using_device
 
 
 class ProverError(VeritrainError):
@@ -57,19 +58,26 @@ class Replayer:
 
     ``checkpoint(step)`` and ``log(step)`` return the bytes of the run's files (local or fetched);
     the task is this side's own build of the manifest's task, so its ``batch(step)`` is this side's data.
+    Steps run on this side's ``device``, whichever device the other side used.
     """
 
-    def __init__(self, run: AdmittedRun, checkpoint, log):
+    def __init__(self, run: AdmittedRun, checkpoint, log, device="cpu"):
         """``run``: the run's settings as this side admits them (the challenger: through its policy;
         the prover: its own manifest, ``policy.trusted``)."""
+        from . import hardware
+        from .runner import place_task
+
         self.run = run
         self._checkpoint, self._log = checkpoint, log
+        self.device = hardware.parse_device(device)
+        hardware.configure_device(self.device)
         self.task = run.build_task()
         self.mode, self.bits = run.mode, run.bits
         self.engine = run.engine()
         self.grid = Grid(self.bits)
         if self.mode == "fp64":
             self.task.model.double()
+        place_task(self.task, self.device)
         self.at = None  # the step count of the state currently loaded
         self.ops_replayed = 0
         self.module_names = {id(m): n or "<model>" for n, m in self.task.model.named_modules()}
@@ -94,7 +102,8 @@ class Replayer:
     def batch(self, step: int):
         from .runner import _prepare_batch
 
-        return _prepare_batch(self.task.batch(step), self.mode, self.grid)
+        with using_device(self.device):
+            return _prepare_batch(self.task.batch(step), self.mode, self.grid)
 
     def run_step(self, step: int, trace: OpTrace | None = None):
         """One step from the loaded state; returns (loss, batch)."""
@@ -113,7 +122,7 @@ class Replayer:
             trace.add_sources(state_tensors(self.task), "state")
             hooks = _module_hooks(trace, self.module_names)
         try:
-            with step_context(self.engine, step, reader=reader, trace=trace) as st:
+            with using_device(self.device), step_context(self.engine, step, reader=reader, trace=trace) as st:
                 loss = self.task.run_step(batch)
         finally:
             for h in hooks:
@@ -185,10 +194,11 @@ class Prover(typing.Protocol):
 
 
 class LocalProver(Prover):
-    """Answers from a run directory, replaying steps with its own task when asked about them."""
+    """Answers from a run directory, replaying steps with its own task (on ``device``) when asked about them."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, device="cpu"):
         self.run_dir = run_dir
+        self.device = device
         self._manifest = store.load_manifest(run_dir)
         self._leaves = [bytes.fromhex(x) for x in self._manifest.get("leaves", [])]  # what the root commits to
         self._tree = store.tree_of(self._leaves)
@@ -229,7 +239,7 @@ class LocalProver(Prover):
 
     def _rep(self) -> Replayer:
         if self._replayer is None:
-            self._replayer = Replayer(trusted(self._manifest), self.checkpoint, self.log)
+            self._replayer = Replayer(trusted(self._manifest), self.checkpoint, self.log, device=self.device)
         return self._replayer
 
     def state_after(self, step):
@@ -282,10 +292,12 @@ class _Lost(Exception):
 
 
 class Challenger:
-    """The auditor's side of the game: its own replay, checked answers, counted queries."""
+    """The auditor's side of the game: its own replay (on ``device``), checked answers, counted queries."""
 
-    def __init__(self, prover: Prover, audit: dict, root: str | None = None, policy: Policy | None = None):
+    def __init__(self, prover: Prover, audit: dict, root: str | None = None, policy: Policy | None = None,
+                 device="cpu"):
         self.p = prover
+        self.device = device
         self.policy = policy or Policy.from_options(root=root)
         self.audit = audit
         self.queries = 0
@@ -493,7 +505,8 @@ class Challenger:
                 records[s] = None
             if not isinstance(records[s], dict):
                 raise _Lost(f"the trainer committed a malformed data record for step {s}")
-        rep = Replayer(self.run, self._checked_checkpoint(start_state, a), self._checked_log(records, logs))
+        rep = Replayer(self.run, self._checked_checkpoint(start_state, a), self._checked_log(records, logs),
+                       device=self.device)
         states, data_finding = {}, None
         with self._replaying(f"interval {i}"):
             rep.load(a, start_state)
@@ -758,6 +771,7 @@ def referee(ch: Challenger, rep: Replayer, step: int, index: int, mine: dict, th
     if len(sent) != len(own) or len(own) != len(mine["inputs"]):
         return {**out, "verdict": "trainer_wrong",
                 "ruling": f"the prover sent {len(sent)} tensor inputs for {mine['op']}, which takes {len(own)}"}
+    sent = [t.to(o.device) for t, o in zip(sent, own)]  # where this side's own call has them
     notes = []
     if theirs.get("args") != mine.get("args"):
         notes.append(f"op {index} of step {step}: the prover's trace binds other non-tensor arguments of "
@@ -825,6 +839,7 @@ def referee_suspicious(ch: Challenger, rep: Replayer, step: int, index: int, min
     if len(sent) != len(own) or len(own) != len(mine["inputs"]):
         return {**out, "verdict": "trainer_wrong",
                 "ruling": f"the prover sent {len(sent)} tensor inputs for {mine['op']}, which takes {len(own)}"}
+    sent = [t.to(o.device) for t, o in zip(sent, own)]  # where this side's own call has them
     # every op before this one agrees (their outputs and arguments are bound by the running hash): an input
     # whose digest still differs is not one the op reads (uninitialised memory it overwrites): this side's
     sent = [t if d_p == d_c else mine_t for t, d_p, d_c, mine_t in zip(sent, theirs["inputs"], mine["inputs"], own)]

@@ -72,7 +72,9 @@ def _to_torch(a: np.ndarray, shape, dtype, device) -> torch.Tensor:
 
 # --- samples ------------------------------------------------------------------------------------
 # Each returns float64 (or integer/bool) torch tensors on ``device``; ``scale`` (when not None) is the
-# error scale of a float64 result computed with library functions.
+# error scale of a float64 result computed with library functions. Everything is computed on the CPU
+# and then moved, so the bits are the same whatever the device (a GPU's log and cos differ from the
+# CPU's in the last bits).
 
 
 def bernoulli_mask(stream: Stream, shape, p, device) -> torch.Tensor:
@@ -94,18 +96,18 @@ def normal(stream: Stream, shape, device):
     r = stream.raw(2 * n)
     u1 = 1.0 - (r[0::2] >> np.uint64(11)).astype(np.float64) * _TWO_M53  # in (0, 1]
     u2 = (r[1::2] >> np.uint64(11)).astype(np.float64) * _TWO_M53
-    u1 = torch.from_numpy(u1).reshape(shape).to(device)
-    u2 = torch.from_numpy(u2).reshape(shape).to(device)
+    u1 = torch.from_numpy(u1).reshape(shape)
+    u2 = torch.from_numpy(u2).reshape(shape)
     radius = torch.sqrt(-2.0 * torch.log(u1))
     z = radius * torch.cos((2.0 * math.pi) * u2)
     # log, sqrt, the product 2*pi*u2 and cos each add a few u of the radius
-    return z, 8.0 * radius
+    return z.to(device), (8.0 * radius).to(device)
 
 
 def exponential(stream: Stream, shape, device, lambd: float):
-    u = uniform(stream, shape, device)
+    u = uniform(stream, shape, "cpu")
     y = -torch.log1p(-u) / lambd
-    return y, 4.0 * y.abs()
+    return y.to(device), (4.0 * y.abs()).to(device)
 
 
 def randperm(stream: Stream, n: int, device) -> torch.Tensor:

@@ -11,6 +11,7 @@ Run directory (docs/FORMAT.md):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,10 +32,11 @@ from .rounding import Grid
 from .policy import AdmittedRun, Policy
 from .store import (INIT_LOG, MANIFEST, FORMAT, RunError, RunRejected, ckpt_name, file_sha256, load_manifest,
                     log_name, record_name, write_json_atomic)
-from .task import Task, TaskError, build, default_config, source_hash
+from .task import Task, TaskError, build, default_config, source_hash, using_device
 
 __all__ = ["MANIFEST", "FORMAT", "RunError", "ckpt_name", "log_name", "record_name", "write_json_atomic",
-           "file_sha256", "load_manifest", "train", "audit", "TrainOptions", "AuditResult", "UnsupportedOpError"]
+           "file_sha256", "load_manifest", "train", "audit", "TrainOptions", "AuditResult", "UnsupportedOpError",
+           "on_device", "place_task", "to_device"]
 
 
 def versions() -> dict:
@@ -69,6 +71,53 @@ def _prepare_model(task: Task, mode: str, grid: Grid):
                     t.copy_(grid.round(t.double()))
 
 
+@contextlib.contextmanager
+def on_device(device):
+    """Check ``device`` (cpu, cuda, cuda:N; hardware.DeviceError before anything is written), apply its
+    settings and make it task.current_device() for the duration. Yields the torch.device."""
+    device = hardware.parse_device(device)
+    hardware.configure_device(device)
+    with using_device(device):
+        yield device
+
+
+def to_device(tree, device):
+    """``tree`` (a tensor, or dicts, lists and tuples holding tensors) with every tensor on ``device``."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def place_task(task: Task, device) -> Task:
+    """Move a task built on the CPU to ``device``: the model's parameters and buffers, the optimizer's state
+    and what batch(step) returns."""
+    from collections import defaultdict
+
+    device = torch.device(device)
+    opt = task.optimizer
+    before = dict(task.model.named_parameters(remove_duplicate=False))
+    task.model.to(device)
+    # Module.to keeps each Parameter object where it can swap its data (CPU <-> CUDA); where it makes new
+    # ones instead, the optimizer is pointed at them
+    new = {id(before[n]): p for n, p in task.model.named_parameters(remove_duplicate=False)}
+    for group in opt.param_groups:
+        group["params"] = [new.get(id(p), p) for p in group["params"]]
+    opt.state = defaultdict(dict, {new.get(id(p), p): s for p, s in opt.state.items()})
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.device != device:  # a parameter the optimizer holds outside the model
+                    p.data = p.data.to(device)
+    for state in opt.state.values():
+        for k, v in state.items():
+            # 'step' counters stay where the optimizer keeps them (the CPU: veritrain pins capturable=False)
+            if isinstance(v, torch.Tensor) and k != "step":
+                state[k] = v.to(device)
+    batch = task.batch
+    task.batch = lambda step: to_device(batch(step), device)
+    return task
+
+
 def _prepare_batch(batch, mode: str, grid: Grid):
     from torch.utils._pytree import tree_map
 
@@ -96,6 +145,7 @@ class TrainOptions:
     thresholds: dict | None = None
     progress: bool = True
     resume: bool = False
+    device: str = "cpu"  # where steps run; nothing written depends on it
 
 
 def build_initial(ref: str, config: dict, engine: EngineConfig, writer=None, reader=None) -> Task:
@@ -139,7 +189,7 @@ def _new_manifest(opts: TrainOptions, config: dict, engine: EngineConfig) -> dic
     }
 
 
-def _resume_state(opts: TrainOptions):
+def _resume_state(opts: TrainOptions, device):
     """(manifest, task, first step) of a run killed mid-way, restored from its last complete checkpoint."""
     m = load_manifest(opts.out)
     if m.get("complete"):
@@ -157,6 +207,7 @@ def _resume_state(opts: TrainOptions):
             reader.close()
     grid = Grid(int(m["bits"]))
     _prepare_model(task, m["mode"], grid)
+    place_task(task, device)
     last = m["checkpoints"][-1]
     try:  # read by its canonical name, as a regular file inside the run (store.open_run_file)
         if store.run_file_sha256(opts.out, ckpt_name(last["step"])) != last.get("file_sha256"):
@@ -183,9 +234,15 @@ def _resume_state(opts: TrainOptions):
 
 
 def train(opts: TrainOptions, probe=None) -> dict:
-    """Train a task into ``opts.out`` (or continue a killed run with ``opts.resume``); returns the manifest."""
+    """Train a task into ``opts.out`` (or continue a killed run with ``opts.resume``) on ``opts.device``;
+    returns the manifest."""
+    with on_device(opts.device) as device:
+        return _train(opts, device, probe)
+
+
+def _train(opts: TrainOptions, device, probe) -> dict:
     if opts.resume:
-        m, task, start, _ = _resume_state(opts)
+        m, task, start, _ = _resume_state(opts, device)
         mode, bits = m["mode"], int(m["bits"])
         engine = EngineConfig(mode=mode, bits=bits, seed=int(m["seed"]), thresholds=m["thresholds"],
                               slack=float(m.get("slack", 2.0)))
@@ -213,6 +270,7 @@ def train(opts: TrainOptions, probe=None) -> dict:
                 shutil.rmtree(opts.out, ignore_errors=True)
             raise
         _prepare_model(task, mode, Grid(bits))
+        place_task(task, device)  # built on the CPU: the same initial state everywhere
         m = _new_manifest(opts, config, engine)
         m["init_log_sha256"] = init_log["sha256"] if init_log else None
         digest = save_checkpoint(os.path.join(opts.out, ckpt_name(0)), task.model, task.optimizer, task.scheduler, 0)
@@ -344,15 +402,21 @@ def _load_audit_progress(out_dir: str, root: str) -> dict | None:
 
 def audit(run_dir: str, out_dir: str | None = None, progress: bool = True, probe=None, intervals=None,
           sample: int | None = None, sample_seed: int | None = None, root: str | None = None,
-          policy: Policy | None = None) -> AuditResult:
+          policy: Policy | None = None, device="cpu") -> AuditResult:
     """Replay intervals of a run, each from its committed checkpoint, and check each against its leaf.
 
     Every setting comes from the auditor's ``policy`` (policy.py; the default policy without one): the
     manifest is compared with it and refused (PolicyError) where it asks for more. The initial state is
     rebuilt here, never taken from the run. ``intervals`` (indices) or ``sample`` (a count, drawn with
     ``sample_seed``, fresh randomness by default) choose a subset; with ``out_dir`` the result is saved
-    after every interval and a later call with the same ``out_dir`` continues where it stopped.
+    after every interval and a later call with the same ``out_dir`` continues where it stopped. The
+    replay runs on ``device``, whichever device the trainer used.
     """
+    with on_device(device) as device:
+        return _audit(run_dir, out_dir, progress, probe, intervals, sample, sample_seed, root, policy, device)
+
+
+def _audit(run_dir, out_dir, progress, probe, intervals, sample, sample_seed, root, policy, device) -> AuditResult:
     t0 = time.perf_counter()
     policy = policy or Policy.from_options(root=root)
     if root is not None and policy.root not in (None, root):
@@ -390,6 +454,7 @@ def audit(run_dir: str, out_dir: str | None = None, progress: bool = True, probe
     engine = run.engine()
     grid = Grid(bits)
     task, init_reasons = _rebuild_initial_state(run_dir, m, run, engine)
+    place_task(task, device)  # after the initial state is hashed: it is built on the CPU
     reasons += init_reasons
     run_sha = store.run_sha256(m)
     results = [done[i] for i in sorted(done)]
@@ -592,9 +657,15 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
     return out
 
 
-def evaluate_run(run_dir: str, step: int | None = None, policy: Policy | None = None) -> dict:
-    """The task's held-out metric for a run's checkpoint (the last one by default), computed here by the
-    auditor's own build of the task (the manifest's ``evaluation`` is only the trainer's claim)."""
+def evaluate_run(run_dir: str, step: int | None = None, policy: Policy | None = None, device="cpu") -> dict:
+    """The task's held-out metric for a run's checkpoint (the last one by default), computed here on
+    ``device`` by the auditor's own build of the task (the manifest's ``evaluation`` is only the trainer's
+    claim)."""
+    with on_device(device) as device:
+        return _evaluate_run(run_dir, step, policy, device)
+
+
+def _evaluate_run(run_dir, step, policy, device) -> dict:
     import copy
 
     m = load_manifest(run_dir)
@@ -608,6 +679,7 @@ def evaluate_run(run_dir: str, step: int | None = None, policy: Policy | None = 
         raise RunError(f"task {m['task']} defines no evaluation")
     if m["mode"] == "fp64":
         task.model.double()
+    place_task(task, device)
     try:  # by its canonical name, as a regular file inside the run (store.open_run_file)
         with store.open_run_file(run_dir, ckpt_name(ck["step"])) as f:
             _, h = load_checkpoint(f, task.model, task.optimizer, task.scheduler)

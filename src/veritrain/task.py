@@ -7,6 +7,7 @@ every machine (use ``veritrain.randomness`` for shuffling and augmentation).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -36,6 +37,12 @@ class Task:
     accumulation) and returns the loss. The scheduler, if any, is stepped after each step.
     ``evaluate(model) -> dict`` optionally reports a metric on held-out data.
     ``batch_indices(step)`` optionally names the examples a step consumes (for the run's data records).
+
+    Devices (``--device cpu|cuda[:N]``): build everything on the CPU, as usual. veritrain builds the task
+    on the CPU (so the initial state is the same everywhere), then moves the model's parameters and
+    buffers and the optimizer's state to the device, and moves the tensors that ``batch(step)`` returns
+    (in tensors, dicts, lists and tuples). Tensors a task creates itself later, inside ``loss``,
+    ``train_step`` or ``evaluate`` (held-out data, masks), belong on ``veritrain.task.current_device()``.
     """
 
     model: torch.nn.Module
@@ -69,6 +76,25 @@ class Task:
         if self.scheduler is not None:
             self.scheduler.step()
         return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+_device = torch.device("cpu")
+
+
+def current_device() -> torch.device:
+    """The device veritrain trains, replays or evaluates on (``--device``; the CPU by default)."""
+    return _device
+
+
+@contextlib.contextmanager
+def using_device(device):
+    """Make ``device`` the one ``current_device()`` names, for the duration (the runner sets it)."""
+    global _device
+    prev, _device = _device, torch.device(device)
+    try:
+        yield _device
+    finally:
+        _device = prev
 
 
 def resolve(ref: str) -> str:

@@ -16,8 +16,8 @@ def run(args) -> Output:
     for w, (task, config) in loads.items():
         for b in bits_list:
             run_dir = out.run_path(f"{w}-b{b}")
-            train(run_dir, task, config, args.steps, every=args.steps, bits=b)
-            _, ev, _ = veritrain("eval", run_dir, "--json", capture_json=True)
+            train(run_dir, task, config, args.steps, every=args.steps, bits=b, device=args.device)
+            _, ev, _ = veritrain("eval", run_dir, "--json", capture_json=True, device=args.device)
             with open(os.path.join(run_dir, "manifest.json")) as f:
                 seconds = json.load(f)["train_seconds"]
             rows.append({"workload": w, "bits": b, "seconds_per_step": seconds / max(args.steps, 1),

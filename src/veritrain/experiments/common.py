@@ -78,11 +78,15 @@ def sets(config: dict) -> list[str]:
     return [a for k, v in config.items() for a in ("--set", f"{k}={v}")]
 
 
-def veritrain(*args, variant: str | None = None, ok=(0,), capture_json: bool = False, env=None):
-    """Run a veritrain command in its own process (under a hardware variant); returns (rc, stdout, seconds)."""
+def veritrain(*args, variant: str | None = None, device: str | None = None, ok=(0,), capture_json: bool = False,
+              env=None):
+    """Run a veritrain command in its own process (under a hardware variant, on a device); returns
+    (rc, stdout, seconds)."""
     cmd = [sys.executable, "-m", "veritrain.cli", *map(str, args)]
     if variant:
         cmd += ["--variant", variant]
+    if device:
+        cmd += ["--device", str(device)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     dt = time.perf_counter() - t0
@@ -92,9 +96,9 @@ def veritrain(*args, variant: str | None = None, ok=(0,), capture_json: bool = F
 
 
 def train(out: str, task: str, config: dict, steps: int, every: int = 1, mode: str = "verified", bits: int = 32,
-          seed: int = 0, variant: str | None = None) -> float:
+          seed: int = 0, variant: str | None = None, device: str | None = None) -> float:
     _, _, dt = veritrain("train", task, "--out", out, "--steps", steps, "--checkpoint-every", every, "--mode", mode,
-                         "--bits", bits, "--seed", seed, "--quiet", *sets(config), variant=variant)
+                         "--bits", bits, "--seed", seed, "--quiet", *sets(config), variant=variant, device=device)
     return dt
 
 

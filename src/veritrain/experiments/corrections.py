@@ -20,8 +20,8 @@ def run(args) -> Output:
         for b in bits_list:
             run_dir = out.run_path(f"{w}-b{b}")
             audit_dir = out.run_path(f"{w}-b{b}-audit")
-            train(run_dir, task, config, args.steps, every=1, bits=b)
-            veritrain("audit", run_dir, "--out", audit_dir, "--quiet", variant=args.variant)
+            train(run_dir, task, config, args.steps, every=1, bits=b, device=args.device)
+            veritrain("audit", run_dir, "--out", audit_dir, "--quiet", variant=args.variant, device=args.device)
             with open(os.path.join(audit_dir, "audit.json")) as f:
                 a = json.load(f)
             per = [iv["corrections"] for iv in a["intervals"]]

@@ -47,9 +47,11 @@ def run(args) -> Output:
         base = out.run_path(f"{w}-fp32")
         other_hw = out.run_path(f"{w}-fp32-{args.variant}")
         other_order = out.run_path(f"{w}-fp32-data-seed-1")
-        train(base, task, config, args.steps, every=args.steps, mode="fp32")
-        train(other_hw, task, config, args.steps, every=args.steps, mode="fp32", variant=args.variant)
-        train(other_order, task, {**config, "data_seed": 1}, args.steps, every=args.steps, mode="fp32")
+        train(base, task, config, args.steps, every=args.steps, mode="fp32", device=args.device)
+        train(other_hw, task, config, args.steps, every=args.steps, mode="fp32", variant=args.variant,
+              device=args.device)
+        train(other_order, task, {**config, "data_seed": 1}, args.steps, every=args.steps, mode="fp32",
+              device=args.device)
         probe = final_model(base).batch(10_000)  # one fixed probe batch for every model (the task's step 10000)
         hw = distances(base, other_hw, probe)
         order = distances(base, other_order, probe)

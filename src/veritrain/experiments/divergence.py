@@ -18,9 +18,9 @@ from .common import read_table, start, Output, train, veritrain
 MODES = [("fp32", "plain float32"), ("nolog", "float64 + rounding, no log"), ("verified", "veritrain")]
 
 
-def replay_distances(run_dir: str) -> list[float]:
-    """Continuous replay of a run on this machine; per step, the L2 distance of the model's parameters and
-    buffers to the trainer's checkpoint after that step."""
+def replay_distances(run_dir: str, device="cpu") -> list[float]:
+    """Continuous replay of a run on this machine (on ``device``); per step, the L2 distance of the model's
+    parameters and buffers to the trainer's checkpoint after that step."""
     from .. import store
     from ..checkpoint import read_checkpoint
     from ..policy import trusted
@@ -32,7 +32,7 @@ def replay_distances(run_dir: str) -> list[float]:
         with open(os.path.join(run_dir, name), "rb") as f:
             return f.read()
 
-    rep = Replayer(trusted(m), lambda s: read(store.ckpt_name(s)), lambda s: read(store.log_name(s)))
+    rep = Replayer(trusted(m), lambda s: read(store.ckpt_name(s)), lambda s: read(store.log_name(s)), device=device)
     rep.load(0, m["initial_state_sha256"])
     out = []
     for step in range(m["steps"]):
@@ -41,7 +41,7 @@ def replay_distances(run_dir: str) -> list[float]:
         sq = 0.0
         for k, v in rep.task.model.state_dict().items():
             if v.is_floating_point():
-                sq += float(((v.double() - tensors[f"model/{k}"].double()) ** 2).sum())
+                sq += float(((v.detach().cpu().double() - tensors[f"model/{k}"].double()) ** 2).sum())
         out.append(math.sqrt(sq))
     return out
 
@@ -52,9 +52,9 @@ def run(args) -> Output:
     for w, (task, config) in loads.items():
         for mode, label in MODES:
             run_dir = out.run_path(f"{w}-{mode}")
-            train(run_dir, task, config, args.steps, every=1, mode=mode)
+            train(run_dir, task, config, args.steps, every=1, mode=mode, device=args.device)
             result = out.run_path(f"{w}-{mode}-auditor.json")
-            veritrain("_replay", run_dir, "--out", result, variant=args.variant)
+            veritrain("_replay", run_dir, "--out", result, variant=args.variant, device=args.device)
             with open(result) as f:
                 dist = json.load(f)
             for step, d in enumerate(dist, start=1):

@@ -85,7 +85,7 @@ def run(args) -> Output:
     for w, (task, config) in loads.items():
         for b in bits_list:
             run_dir = out.run_path(f"{w}-b{b}")
-            train(run_dir, task, config, args.steps, every=args.steps, bits=b)
+            train(run_dir, task, config, args.steps, every=args.steps, bits=b, device=args.device)
             per = [step_sizes(run_dir, s, b) for s in range(args.steps)]
             row = {"workload": w, "bits": b}
             for k in per[0]:

@@ -20,7 +20,7 @@ def run(args) -> Output:
     for w, (task, config) in loads.items():
         cal_dir = out.run_path(f"{w}-calibration")
         veritrain("calibrate", task, "--out", cal_dir, "--steps", steps, "--variants", variants, "--quiet",
-                  *sets(config), ok=(0, 1))
+                  *sets(config), ok=(0, 1), device=args.device)
         with open(os.path.join(cal_dir, "calibration.json")) as f:
             cal = json.load(f)
         for cls, v in cal["per_class"].items():

@@ -12,6 +12,8 @@ import statistics
 import tempfile
 import time
 
+import torch
+
 from .common import read_table, start, Output
 
 MODES = ("fp32", "fp64", "trainer", "auditor")
@@ -20,12 +22,19 @@ ORDERS = [("fp32", "fp64", "trainer", "auditor"), ("fp64", "trainer", "auditor",
 DENSE_BITS_PER_VALUE = 1.6
 
 
-def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
-    """Per-mode step times and log sizes of ``steps`` counted steps (one more runs as warm-up)."""
+def measure(task_ref: str, config: dict, steps: int, progress=print, device="cpu") -> dict:
+    """Per-mode step times and log sizes of ``steps`` counted steps (one more runs as warm-up) on ``device``."""
+    from ..runner import on_device
+
+    with on_device(device) as device:
+        return _measure(task_ref, config, steps, progress, device)
+
+
+def _measure(task_ref: str, config: dict, steps: int, progress, device) -> dict:
     from ..engine import EngineConfig, step_context
     from ..logformat import StepLogReader, StepLogWriter
     from ..rounding import Grid
-    from ..runner import _prepare_batch, _prepare_model
+    from ..runner import _prepare_batch, _prepare_model, place_task
     from ..task import build
 
     grid, engine = Grid(32), EngineConfig()
@@ -33,7 +42,7 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
     for mode in MODES:
         t = build(task_ref, config)
         _prepare_model(t, "fp64" if mode == "fp64" else "fp32", grid)
-        tasks[mode] = t
+        tasks[mode] = place_task(t, device)
     times = {m: [] for m in MODES}
     logs = []
     with tempfile.TemporaryDirectory() as log_dir:
@@ -55,6 +64,8 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
                     with step_context(engine, step, reader=reader) as audit_st:
                         task.run_step(batch)
                     reader.close()
+                if device.type == "cuda":  # a GPU runs queued kernels after the Python call returns
+                    torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - t0
                 if step > 0:
                     times[mode].append(elapsed)
@@ -86,7 +97,7 @@ def run(args) -> Output:
     loads, out = start(args, "time")
     rows = []
     for w, (task, config) in loads.items():
-        r = measure(task, config, max(args.steps, 2), progress=None)
+        r = measure(task, config, max(args.steps, 2), progress=None, device=args.device)
         rows.append({"workload": w, "fp32_over_fp64": r["ratio"]["fp32"], "trainer_over_fp64": r["ratio"]["trainer"],
                      "auditor_over_fp64": r["ratio"]["auditor"], "fp64_step_s": r["median_s"]["fp64"],
                      "trainer_over_fp32": r["median_s"]["trainer"] / r["median_s"]["fp32"],

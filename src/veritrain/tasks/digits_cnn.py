@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from veritrain import randomness
-from veritrain.task import Task, TaskError
+from veritrain.task import Task, TaskError, current_device
 
 DEFAULTS = {
     "optimizer": "adamw",  # or "sgd" (momentum 0.9)
@@ -93,10 +93,11 @@ def make_task(config: dict) -> Task:
     def evaluate(model):
         was = model.training
         model.eval()
+        x, y = x_test.to(current_device()), y_test.to(current_device())  # held-out data, where the model is
         with torch.no_grad():
-            logits = model(x_test)
-            acc = (logits.argmax(1) == y_test).double().mean().item()
-            nll = F.cross_entropy(logits, y_test).item()
+            logits = model(x)
+            acc = (logits.argmax(1) == y).double().mean().item()
+            nll = F.cross_entropy(logits, y).item()
         model.train(was)
         return {"accuracy": acc, "loss": nll, "examples": len(y_test)}
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from veritrain import randomness
-from veritrain.task import Task, TaskError
+from veritrain.task import Task, TaskError, current_device
 from veritrain.tasks.gpt2_text import load_bpe_tokenizer, read_corpus
 
 DEFAULTS = {
@@ -132,7 +132,7 @@ def make_task(config: dict) -> Task:
         was = model.training
         model.eval()
         n = min(int(cfg["eval_windows"]), (len(test_tokens) - 1) // seq)
-        windows = [test_tokens[i * seq: i * seq + seq + 1] for i in range(n)]
+        windows = [test_tokens[i * seq: i * seq + seq + 1].to(current_device()) for i in range(n)]
         if not windows:
             return {}
         with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from veritrain import randomness
-from veritrain.task import Task, TaskError
+from veritrain.task import Task, TaskError, current_device
 
 DEFAULTS = {
     "corpus": None,       # path to a UTF-8 text file (required)
@@ -149,7 +149,7 @@ def make_task(config: dict) -> Task:
         if not windows:
             return {}
         with torch.no_grad():
-            nll = lm_loss(model, torch.stack(windows)).item()
+            nll = lm_loss(model, torch.stack(windows).to(current_device())).item()
         model.train(was)
         return {"loss": nll, "perplexity": float(np.exp(nll)), "windows": len(windows)}
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from veritrain import randomness
-from veritrain.task import Task, TaskError
+from veritrain.task import Task, TaskError, current_device
 from veritrain.tasks.cifar import digits_as_cifar, load_cifar10, normalize
 from veritrain.tasks.resnet import resnet18, resnet50
 
@@ -91,11 +91,13 @@ def make_task(config: dict) -> Task:
         was = model.training
         model.eval()
         correct, nll = 0, 0.0
+        dev = current_device()
         with torch.no_grad():
             for i in range(0, n_eval, 250):
-                logits = model(x_eval[i:i + 250].to(next(model.parameters()).dtype))
-                correct += int((logits.argmax(1) == y_eval[i:i + 250]).sum())
-                nll += float(F.cross_entropy(logits.double(), y_eval[i:i + 250], reduction="sum"))
+                logits = model(x_eval[i:i + 250].to(dev, next(model.parameters()).dtype))
+                y = y_eval[i:i + 250].to(dev)
+                correct += int((logits.argmax(1) == y).sum())
+                nll += float(F.cross_entropy(logits.double(), y, reduction="sum"))
         model.train(was)
         return {"accuracy": correct / max(n_eval, 1), "loss": nll / max(n_eval, 1), "examples": n_eval}
 

@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure float64 differences across hardware variants; write thresholds")
     c.add_argument("task")
-    c.add_argument("--variants", default="isa-default,isa-avx2,onednn-sse41,mkl-compatible,threads-1,no-mkldnn,combo",
+    c.add_argument("--variants", default=hardware.CALIBRATION_VARIANTS,
                    help="comma-separated hardware variants to compare against this machine")
     c.add_argument("--steps", type=int, default=3)
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args) -> int:
     if args.command == "variants":
         for name, env in hardware.VARIANTS.items():
-            print(f"{name:16s} {' '.join(f'{k}={v}' for k, v in env.items()) or '(this machine as it is)'}")
+            note = {"reorder": "  (float64 as a GPU library computes it: split-K, tree sums, other FMAs and libm)",
+                    "perturb": "  (every approximate result moved by up to 0.9 of its threshold)"}.get(name, "")
+            print(f"{name:16s} {' '.join(f'{k}={v}' for k, v in env.items()) or '(this machine as it is)'}{note}")
         return 0
     if args.command == "train":
         return _train(args)

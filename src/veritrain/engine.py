@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import decompositions, randomness, rules
+from . import accelerator, decompositions, randomness, rules
 from .fused import Epilogues, FusedKernels, Unfusable
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
 from .rounding import UNIT_ROUNDOFF, Grid
@@ -240,9 +240,10 @@ class _Analysis:
             raise VeritrainError(f"{self.call.func}: rule gives no error scale for output {slot}")
         if isinstance(s, (rules.LazyScale, rules.RowSubset)):
             return s
+        device = next((y.device for y in self.call.outputs if isinstance(y, torch.Tensor)), None)
         if not isinstance(s, torch.Tensor):
             s = torch.tensor(float(s), dtype=torch.float64)
-        return s.to(torch.float64).expand(shape)
+        return s.to(device=device, dtype=torch.float64).expand(shape)
 
 
 class _ExactSlot:
@@ -273,6 +274,11 @@ class _EagerSlot:
         if self._y32 is None:
             self._y32 = self.grid.round(self.y64)
         return self._y32
+
+    def perturb(self, c, key):
+        """Worst-case hardware (accelerator.perturb): move the float64 result within 0.9 of its threshold."""
+        self.y64 = accelerator.perturb(self.y64, self.scale(), c, key).contiguous()
+        self._y32 = None
 
     def _scale_obj(self):
         if self._scale is None:
@@ -327,7 +333,7 @@ class _FusedSlot:
         sub = [t[idx] if t.dim() else t for t in self._operands]
         y, s = self._compute(*sub, *self._extra)
         y = y.to(torch.float64).reshape(-1)
-        s = torch.as_tensor(s, dtype=torch.float64).expand(y.shape)
+        s = torch.as_tensor(s, dtype=torch.float64, device=y.device).expand(y.shape)
         self._memo = (idx, (y, s))
         return y, s
 
@@ -361,6 +367,7 @@ class VerifiedMode(TorchDispatchMode):
         self.probe = None  # calibration: called with each approx result before rounding
         self._fk = None
         self._ep = None
+        self.emulate = accelerator.active()  # an emulated accelerator or worst-case hardware (accelerator.py)
 
     # --- entry ----------------------------------------------------------------------------------
 
@@ -386,6 +393,8 @@ class VerifiedMode(TorchDispatchMode):
         if not self.rounding:
             if rule.kind == rules.RANDOM:
                 return self._random(func, args, kwargs)
+            if self.emulate and rule.kind == rules.APPROX:
+                return self._emulated_plain(func, args, kwargs)
             return func(*args, **kwargs)
         if self.trace is not None:
             return self._traced(func, rule, args, kwargs)
@@ -413,6 +422,25 @@ class VerifiedMode(TorchDispatchMode):
             if call is not None:
                 tr.captured = call
         return out
+
+    def _emulated_plain(self, func, args, kwargs):
+        """Plain float32/float64 runs on the emulated accelerator: its kernels in the op's own dtype (perturb
+        is defined on the engine's float64 results; plain runs under it use the same accelerator)."""
+        info = _info(func)
+        if info.variant not in ("plain", "inplace"):
+            return func(*args, **kwargs)
+        run = info.functional if info.variant == "inplace" else func
+        kernel = accelerator.reorder_kernel(run)
+        if kernel is None:
+            return func(*args, **kwargs)
+        floats = [x for x in tree_flatten((args, kwargs))[0] if _is_float_tensor(x)]
+        dtype = kwargs.get("dtype") or (floats[0].dtype if floats else torch.get_default_dtype())
+        flat, spec = tree_flatten(kernel(*args, **kwargs))
+        result = tree_unflatten([x.to(dtype) if _is_float_tensor(x) else x for x in flat], spec)
+        if info.variant == "inplace":
+            target = _named(func, args, kwargs)[info.targets[0]]
+            return target.copy_(result)
+        return result
 
     def _phase(self) -> str:
         if self.in_optimizer:
@@ -490,7 +518,7 @@ class VerifiedMode(TorchDispatchMode):
             self._finish_op(func, record, scalars, [None if y is None else _ExactSlot(y, self.grid) for y in slots])
             return result
 
-        if rule.kind == rules.APPROX and rule.fused and self.probe is None:
+        if rule.kind == rules.APPROX and rule.fused and self.probe is None and self.emulate is None:
             done = self._try_fused(func, rule, info, leaves, spec, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
@@ -526,7 +554,15 @@ class VerifiedMode(TorchDispatchMode):
             call_args, call_kwargs = _from_named(func, call_named, len(args64))
         else:
             call_args, call_kwargs = args64, kwargs64
-        result = run(*call_args, **call_kwargs)
+        kernel = accelerator.reorder_kernel(run) if self.emulate == "reorder" and rule.kind == rules.APPROX \
+            and variant != "mutating" else None
+        try:
+            result = (kernel or run)(*call_args, **call_kwargs)
+        except (NotImplementedError, RuntimeError) as e:
+            err = _device_error(self.step, func, leaves, e)
+            if err is None:
+                raise
+            raise err from e
 
         outputs = _flatten_result(result)
         if variant == "mutating":
@@ -667,6 +703,8 @@ class VerifiedMode(TorchDispatchMode):
                     self._suspicious_block(func, i, record.outputs[k], "entries for an exact op")
                 entries.append(OutputEntries(slot.shape))
             else:
+                if self.emulate == "perturb" and isinstance(slot, _EagerSlot):
+                    slot.perturb(self.config.thresholds[slot.op_class], (self.domain, self.step, self.op_index, i))
                 if self.probe is not None and isinstance(slot, _EagerSlot):
                     self.probe(self.step, self.op_index, str(func), slot.op_class, i, slot.y64, slot.scale)
                 c = self.config.thresholds[slot.op_class]
@@ -926,6 +964,21 @@ class VerifiedMode(TorchDispatchMode):
 # --- small helpers ------------------------------------------------------------------------------
 
 
+def _device_error(step, func, leaves, e):
+    """An UnsupportedOpError naming the op and the device when ``e`` says the op has no float64 kernel
+    there (or mixes devices); None for any other failure."""
+    if isinstance(e, VeritrainError):
+        return None
+    devices = sorted({str(x.device) for x in leaves if isinstance(x, torch.Tensor)}
+                     | {str(x) for x in leaves if isinstance(x, torch.device)}) or ["cpu"]
+    msg = str(e)
+    words = ("backend", "not implemented", "device", *{d.split(":")[0] for d in devices})
+    if not any(w in msg.lower() for w in words):
+        return None
+    return UnsupportedOpError(f"step {step}: {func} cannot run on {', '.join(devices)} in float64: "
+                              f"{msg.strip().splitlines()[0][:300] if msg.strip() else type(e).__name__}")
+
+
 def _on_meta(args) -> bool:
     for x in args:
         if isinstance(x, torch.Tensor):
@@ -1148,7 +1201,7 @@ def dump_call(func, args, kwargs, random_index: int) -> bytes:
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
             tensors[f"t{i}"] = x.detach().cpu().contiguous().clone()
-            encoded.append({"tensor": f"t{i}"})
+            encoded.append({"tensor": f"t{i}", "device": str(x.device)})
         else:
             encoded.append(_encode_arg(x, func))
     meta = {"func": str(func), "spec": treespec_dumps(spec), "leaves": json.dumps(encoded),
@@ -1174,7 +1227,8 @@ def load_call_tensors(data: bytes) -> list:
 
 
 def load_call(data: bytes):
-    """(func, args, kwargs, random_index, tensor arguments in order) from ``dump_call`` bytes."""
+    """(func, args, kwargs, random_index, tensor arguments in order) from ``dump_call`` bytes; each tensor on
+    the device it was captured on (a call this side captured itself)."""
     from safetensors.torch import load
     from torch.utils._pytree import treespec_loads
 
@@ -1186,8 +1240,9 @@ def load_call(data: bytes):
     leaves, ordered = [], []
     for e in json.loads(meta["leaves"]):
         if "tensor" in e:
-            leaves.append(tensors[e["tensor"]])
-            ordered.append(tensors[e["tensor"]])
+            t = tensors[e["tensor"]].to(e.get("device", "cpu"))
+            leaves.append(t)
+            ordered.append(t)
         elif "dtype" in e:
             leaves.append(getattr(torch, e["dtype"]))
         elif "device" in e:

@@ -24,7 +24,16 @@ VARIANTS: dict[str, dict[str, str]] = {
     "no-mkldnn": {"VERITRAIN_MKLDNN": "0"},
     "combo": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE",
               "VERITRAIN_THREADS": "1", "VERITRAIN_MKLDNN": "0"},
+    # not CPU settings: the engine's float64 evaluation itself changes (accelerator.py)
+    "reorder": {"VERITRAIN_EMULATE": "reorder"},  # an emulated GPU library: other orders, FMAs, libm
+    "perturb": {"VERITRAIN_EMULATE": "perturb"},  # the worst the error model allows: moves up to 0.9 tau
 }
+# what `calibrate` and the thresholds experiment compare against by default: every CPU variant that can
+# differ from this machine, and the emulated accelerator (perturb is left out: its differences are 0.9 of
+# the thresholds by construction, so calibrating on it would only return the thresholds)
+CALIBRATION_VARIANTS = "isa-default,isa-avx2,onednn-sse41,mkl-compatible,threads-1,no-mkldnn,combo,reorder"
+KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "VERITRAIN_THREADS", "VERITRAIN_MKLDNN",
+         "VERITRAIN_EMULATE")
 APPLIED = "VERITRAIN_VARIANT_APPLIED"
 
 
@@ -41,7 +50,7 @@ def run_in_variant(name: str, argv: list[str]) -> int:
     """Run ``python -m veritrain.cli argv`` in a child process with the variant's settings."""
     env = dict(os.environ)
     for k in list(env):
-        if k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR", "VERITRAIN_THREADS", "VERITRAIN_MKLDNN"):
+        if k in KNOBS:
             del env[k]
     env.update(variant_env(name))
     env[APPLIED] = name
@@ -91,11 +100,92 @@ def describe() -> dict:
 
     return {
         "variant": os.environ.get(APPLIED, "native"),
-        "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR",
-                                           "VERITRAIN_THREADS", "VERITRAIN_MKLDNN") if k in os.environ},
+        "env": {k: os.environ[k] for k in KNOBS if k in os.environ},
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "mkldnn": bool(torch.backends.mkldnn.enabled),
         "machine": platform.machine(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        **_device_description(),
     }
+
+
+# --- devices (--device cpu|cuda[:N]) -------------------------------------------------------------
+# The device changes only where the float64 evaluation runs: run files never name it, and the
+# description above (informational, outside every commitment) does.
+
+_device_settings: dict = {}  # what configure_device applied last, for describe()
+
+
+class DeviceError(ValueError):
+    """A --device that this machine cannot use."""
+
+
+def parse_device(spec):
+    """``cpu``, ``cuda`` or ``cuda:N`` as a torch.device this machine has; DeviceError (naming the device
+    and the reason) otherwise. Called before a command writes anything."""
+    import torch
+
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    text = str(spec).strip()
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index not in ("", "0")):
+        raise DeviceError(f"--device {text!r}: unknown device (expected cpu, cuda or cuda:N)")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        why = "this PyTorch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise DeviceError(f"--device {text!r}: CUDA is not available here (torch.cuda.is_available() is False: {why})")
+    count = torch.cuda.device_count()
+    n = int(index) if index else torch.cuda.current_device()
+    if n >= count:
+        raise DeviceError(f"--device {text!r}: no such CUDA device (this machine has {count}: "
+                          f"cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", n)
+
+
+def configure_device(device) -> dict:
+    """Settings for a run on ``device``; returns what it applied (written into describe()).
+
+    On CUDA: no TF32 and no reduced-precision reductions in matrix products (they change float32
+    results, and plain fp32 runs use them). cudnn stays off inside steps (engine.step_context), so
+    convolutions take ATen's own im2col + GEMM path (no FFT or Winograd algorithms); cuBLAS may split
+    reductions (split-K), and deterministic algorithms are not required: the engine's float64 results
+    are rounded, and decisions near a midpoint are logged. Nothing to set on a CPU.
+    """
+    import torch
+
+    global _device_settings
+    device = torch.device(device)
+    if device.type != "cuda":
+        _device_settings = {}
+        return {}
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+    matmul.allow_bf16_reduced_precision_reduction = False
+    applied = {"cuda.matmul.allow_tf32": False, "cudnn.allow_tf32": False,
+               "cuda.matmul.allow_fp16_reduced_precision_reduction": False,
+               "cuda.matmul.allow_bf16_reduced_precision_reduction": False}
+    if hasattr(matmul, "allow_fp16_accumulation"):  # torch >= 2.7
+        matmul.allow_fp16_accumulation = False
+        applied["cuda.matmul.allow_fp16_accumulation"] = False
+    applied.update({"cudnn_in_steps": False, "deterministic_algorithms": False})
+    _device_settings = dict(applied)
+    return applied
+
+
+def _device_description() -> dict:
+    """The device the runner uses (task.current_device()) and, on a GPU, its name and settings."""
+    import torch
+
+    from .task import current_device
+
+    device = current_device()
+    out = {"device": str(device)}
+    if device.type == "cuda":
+        out["device_name"] = torch.cuda.get_device_name(device)
+        out["device_settings"] = dict(_device_settings)
+    return out

@@ -9,11 +9,12 @@ import json
 import math
 import os
 
+from .. import hardware
 from .common import read_table, start, Output, sets, veritrain
 
 
 def run(args) -> Output:
-    variants = args.variants or "isa-default,isa-avx2,onednn-sse41,mkl-compatible,threads-1,no-mkldnn,combo"
+    variants = args.variants or hardware.CALIBRATION_VARIANTS
     steps = args.steps
     loads, out = start(args, "thresholds", variants=variants)
     rows = []

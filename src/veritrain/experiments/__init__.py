@@ -37,7 +37,7 @@ def add_arguments(p):
     p.add_argument("--data", default="digits", help="CIFAR-10 archive or folder for the resnet workload, or digits")
     p.add_argument("--corpus", help="text file for the gpt2 workload (e.g. ../shared/data/shakespeare.txt)")
     p.add_argument("--tokenizer", help="GPT-2 tokenizer folder for the gpt2 workload (../shared/data/gpt2-tokenizer)")
-    p.add_argument("--variant", default="combo", help="the auditor's hardware variant")
+    p.add_argument("--variant", default="reorder", help="the auditor's hardware variant (default: the emulated accelerator)")
     p.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]",
                    help="where the experiment's trainers and auditors run (passed to each veritrain command)")
     p.add_argument("--variants", help="thresholds: variants to calibrate against")

@@ -45,13 +45,26 @@ def rows(*parts):
         return []
 
 
+def variant_of(name: str) -> str:
+    """The auditor's hardware variant an experiment ran under (its settings.json)."""
+    import json
+
+    try:
+        with open(os.path.join(REPORT, name, "settings.json")) as f:
+            settings = json.load(f)
+    except OSError:
+        return "?"
+    return settings.get("auditor_variant") or settings.get("hardware_variant") or "?"
+
+
 def summary() -> str:
     lines = [BEGIN, "", "## Experiments (the paper's tables, at default sizes)", "",
              "Command: `python bench/run_experiments.py` (the commands are in its docstring). Full tables, settings "
              "and plots: [docs/report/report.md](../docs/report/report.md).", ""]
     div = rows("divergence", "divergence.csv")
     if div:
-        lines.append("Divergence (L2 distance of weights, trainer vs auditor under `combo`, after the last step):")
+        lines.append(f"Divergence (L2 distance of weights, trainer vs auditor under `{variant_of('divergence')}`, "
+                     f"after the last step):")
         lines.append("")
         for w in sorted({r["workload"] for r in div}):
             last = {r["mode"]: r["l2_distance"] for r in div if r["workload"] == w}
@@ -84,7 +97,7 @@ def summary() -> str:
             lines.append("")
     cor = rows("corrections", "corrections.csv")
     if cor:
-        lines.append("Corrections per step (auditor under `combo`): " + "; ".join(
+        lines.append(f"Corrections per step (auditor under `{variant_of('corrections')}`): " + "; ".join(
             f"{r['workload']} b={r['bits']}: {float(r['total_per_step']):.2g}" for r in cor) + ".")
         lines.append("")
     lines += [END, ""]

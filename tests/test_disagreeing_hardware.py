@@ -6,11 +6,11 @@ the auditor reaches every checkpoint bit for bit, after real corrections. Withou
 the perturb auditor is rejected: at least one checkpoint differs. (Between the CPU variants of
 test_cross_hardware.py the log is almost never needed, so only these auditors show that it works.)
 
-Under ``reorder`` the small workloads here round differently a few times per step at most (GPT-2: 27
-corrections in 20 steps, all in ``pow``; the CNNs: about one in 20 steps). Float32 rounding absorbs such
-one-ulp flips before they reach the weights: measured, 60 GPT-2 steps without a log still matched every
-checkpoint. So for ``reorder`` the test asserts the op-level disagreement (corrections), and checkpoint
-divergence without a log is measured at the experiments' sizes (docs/report/divergence).
+Under ``reorder`` the small workloads here round differently about once in 10-20 steps at most, and
+float32 rounding absorbs such one-ulp flips before they reach the weights (measured: 60 GPT-2 steps
+without a log still matched every checkpoint). So for ``reorder`` the test asserts that plain float32
+differs and that the log carries the auditor; corrections per step and divergence without a log are
+measured at the experiments' sizes (bench/RESULTS.md, docs/report).
 """
 
 import pytest
@@ -49,9 +49,10 @@ def test_the_log_carries_the_auditor_across_disagreeing_hardware(runs, variant):
     assert all(c["match"] for c in r["checkpoints"]) and r["suspicious"] == 0
     corrections = sum(r["corrections"].values())
     print(f"{name} under {variant}: {corrections} corrections in {steps} steps, {r['entries']} entries")
-    if variant == "perturb" or name == "gpt2-text":
-        # measured: perturb needs 100-350 corrections on every workload; reorder tens in 20 GPT-2 steps,
-        # but only about one in 20 steps on the small CNNs, so there it is not required
+    if variant == "perturb":
+        # measured: perturb needs 100-350 corrections on every workload; reorder at most about one per 10-20
+        # steps at these sizes (0.75 per step on GPT-2 2 x 128 at the experiments' size: bench/RESULTS.md),
+        # so there it is not required
         assert corrections > 0, f"{name}: {variant} never needed the log"
 
 

@@ -53,12 +53,50 @@ def versions() -> dict:
     return out
 
 
-def _progress(total, desc, enabled, initial=0):
-    """Steps, rate and ETA on a terminal; nothing when stderr is piped or --quiet."""
+def _progress(total, desc, enabled, initial=0, every=1):
+    """Steps, rate and ETA: a bar on a terminal, a plain line every ``every`` steps when stderr is piped
+    (CI, nohup: a log file), nothing with --quiet."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="step",
-                disable=not (enabled and sys.stderr.isatty()), leave=False, dynamic_ncols=True)
+    if enabled and not sys.stderr.isatty():
+        return _ProgressLines(total, desc, initial, every)
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not enabled, leave=False,
+                dynamic_ncols=True)
+
+
+class _ProgressLines:
+    """The part of tqdm's interface the runner uses, as lines on stderr: one every ``every`` steps (a
+    checkpoint, an audited interval), one at the end, and one at least every minute in between."""
+
+    def __init__(self, total, desc, initial, every):
+        self.total, self.desc, self.n, self.first, self.every = total, desc, initial, initial, max(1, int(every))
+        self.postfix = {}
+        self.t0 = self.last = time.perf_counter()
+
+    def set_postfix(self, refresh=True, **values):
+        self.postfix.update(values)
+
+    def update(self, k=1):
+        self.n += k
+        now = time.perf_counter()
+        if self.n % self.every and self.n < self.total and now - self.last < 60:
+            return
+        self.last, elapsed = now, now - self.t0
+        eta = elapsed / max(self.n - self.first, 1) * (self.total - self.n)
+        values = "".join(f" {k} {v}" for k, v in self.postfix.items())
+        print(f"{self.desc}: step {self.n}/{self.total}{values} elapsed {_seconds(elapsed)} eta {_seconds(eta)}",
+              file=sys.stderr, flush=True)
+
+    def close(self):
+        pass
+
+
+def _seconds(t: float) -> str:
+    """3.1s, 12m05s, 3h07m05s."""
+    if t < 60:
+        return f"{t:.1f}s"
+    m, s = divmod(int(t), 60)
+    return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m{s:02d}s"
 
 
 def _prepare_model(task: Task, mode: str, grid: Grid):
@@ -233,6 +271,89 @@ def _resume_state(opts: TrainOptions, device):
     return m, task, step, gone
 
 
+class _DiscardLog:
+    """A rounding log that keeps nothing: batch(step) called again outside its step runs under the same
+    engine context as in the step (the trainer's code path, rounding included) without writing into the
+    step's log."""
+
+    def op(self, *args):
+        pass
+
+
+def _batch_work(st) -> dict:
+    """The engine's work so far in a step (after batch(step): the work batch(step) did)."""
+    return {"rounded ops": st.op_index, "random draws": st.random_index}
+
+
+def _first_steps(steps: int) -> list[int]:
+    """The steps the trainer calls before a new run's first one: batch(0), batch(1), batch(0) again."""
+    return [0, 1, 0] if steps >= 2 else [0, 0] if steps == 1 else []
+
+
+def _check_batches(task: Task, engine: EngineConfig, steps, name: str, recorded=None) -> dict:
+    """data.check_pure_batches with batch(step) called as the training step calls it: in a fresh step context
+    (random draws keyed by the step, float ops rounded) and prepared. TaskError when batch(step) is not a
+    pure function of the step: a run would pass a full audit but fail a partial one."""
+    from .data import check_pure_batches
+
+    grid, last = Grid(engine.bits), {}
+
+    def call(step):
+        with step_context(engine, step, writer=_DiscardLog() if engine.mode == "verified" else None) as st:
+            batch = _prepare_batch(task.batch(step), engine.mode, grid)
+            last["work"] = _batch_work(st)
+        return batch
+
+    return check_pure_batches(call, steps, recorded=recorded, name=name, work_fn=lambda: last["work"])
+
+
+class RunWriter:
+    """The trainer's files, step by step: each step's data record, the checkpoint and Merkle leaf at each
+    interval's end, the root at the end. ``state`` is (model, optimizer, scheduler). Used by own loops
+    (loop.py); ``m`` is the manifest of a run that holds its checkpoint after ``start`` steps."""
+
+    def __init__(self, out: str, m: dict, state, start: int):
+        self.out, self.m, self.state = out, m, state
+        self.run_sha = store.run_sha256(m)
+        self.every, self.steps = m["checkpoint_every"], m["steps"]
+        # a resumed run restarts at an interval boundary: its interval's earlier records are on disk
+        self.record_hashes = [file_sha256(self.path(record_name(s))) for s in range((start // self.every) * self.every, start)]
+
+    def path(self, name):
+        return os.path.join(self.out, name)
+
+    def log_writer(self, step):
+        return StepLogWriter(self.path(log_name(step)), step, int(self.m["bits"])) if self.m["mode"] == "verified" else None
+
+    def record(self, step, batch, indices, loss, log):
+        """Write step's data record; after an interval's last step, its checkpoint, leaf and the manifest."""
+        rec = store.record_bytes(step, batch_hash(batch), indices, loss, log["sha256"] if log else None)
+        store.write_bytes_atomic(self.path(record_name(step)), rec)
+        self.record_hashes.append(hashlib.sha256(rec).hexdigest())
+        done, m = step + 1, self.m
+        if done % self.every == 0 or done == self.steps:
+            digest = save_checkpoint(self.path(ckpt_name(done)), *self.state, done)
+            m["checkpoints"].append({"step": done, "file": ckpt_name(done), "state_sha256": digest,
+                                     "file_sha256": file_sha256(self.path(ckpt_name(done)))})
+            index = (done - 1) // self.every
+            m["leaves"].append(store.leaf_data(index, index * self.every, done, self.run_sha, digest,
+                                               self.record_hashes).hex())
+            self.record_hashes = []
+            m["steps_completed"] = done
+            store.save_manifest(self.out, m)
+
+    def finish(self, seconds: float = 0.0) -> dict:
+        m = self.m
+        if self.steps == 0:  # one empty interval: the root commits to the initial state
+            m["leaves"] = [store.leaf_data(0, 0, 0, self.run_sha, m["initial_state_sha256"], []).hex()]
+        m["train_seconds"] = m.get("train_seconds", 0.0) + seconds  # not committed: informational
+        m["steps_completed"] = self.steps
+        m["root"] = store.tree_of([bytes.fromhex(x) for x in m["leaves"]]).root().hex()
+        m["complete"] = True
+        store.save_manifest(self.out, m)
+        return m
+
+
 def train(opts: TrainOptions, probe=None) -> dict:
     """Train a task into ``opts.out`` (or continue a killed run with ``opts.resume``) on ``opts.device``;
     returns the manifest."""
@@ -259,6 +380,9 @@ def _train(opts: TrainOptions, device, probe) -> dict:
         try:
             task = build_initial(opts.task, config, engine, writer=init_writer)
             init_log = init_writer.close() if init_writer else None
+            _prepare_model(task, mode, Grid(bits))
+            place_task(task, device)  # built on the CPU: the same initial state everywhere
+            _check_batches(task, engine, _first_steps(opts.steps), opts.task)  # before anything is committed
         except BaseException:
             if init_writer:
                 init_writer.abort()
@@ -269,8 +393,6 @@ def _train(opts: TrainOptions, device, probe) -> dict:
             if created:
                 shutil.rmtree(opts.out, ignore_errors=True)
             raise
-        _prepare_model(task, mode, Grid(bits))
-        place_task(task, device)  # built on the CPU: the same initial state everywhere
         m = _new_manifest(opts, config, engine)
         m["init_log_sha256"] = init_log["sha256"] if init_log else None
         digest = save_checkpoint(os.path.join(opts.out, ckpt_name(0)), task.model, task.optimizer, task.scheduler, 0)
@@ -287,13 +409,14 @@ def _train(opts: TrainOptions, device, probe) -> dict:
     first_of_interval = (start // every) * every
     for s in range(first_of_interval, start):  # a resumed run restarts at an interval boundary
         record_hashes.append(file_sha256(path(record_name(s))))
-    bar = _progress(steps, "train", opts.progress, initial=start)
+    bar = _progress(steps, "train", opts.progress, initial=start, every=every)
     t_loop = time.perf_counter()
     for step in range(start, steps):
         writer = StepLogWriter(path(log_name(step)), step, bits) if mode == "verified" else None
         try:
-            with step_context(engine, step, writer=writer, probe=probe):
+            with step_context(engine, step, writer=writer, probe=probe) as st:
                 batch = _prepare_batch(task.batch(step), mode, grid)
+                work = _batch_work(st)
                 loss = task.run_step(batch)
             log = writer.close() if writer else None
         except BaseException:
@@ -301,11 +424,15 @@ def _train(opts: TrainOptions, device, probe) -> dict:
                 writer.abort()
             raise
         indices = task.batch_indices(step) if task.batch_indices else None
-        rec = store.record_bytes(step, batch_hash(batch), indices, loss, log["sha256"] if log else None)
+        bh = batch_hash(batch)
+        rec = store.record_bytes(step, bh, indices, loss, log["sha256"] if log else None)
         store.write_bytes_atomic(path(record_name(step)), rec)
         record_hashes.append(hashlib.sha256(rec).hexdigest())
+        if step == start or step % every == 0:  # the interval's first step: called again at its checkpoint
+            first = {step: (bh, work)}
         done = step + 1
         if done % every == 0 or done == steps:
+            _check_batches(task, engine, list(first), m["task"], recorded=first)  # before the interval is committed
             digest = save_checkpoint(path(ckpt_name(done)), task.model, task.optimizer, task.scheduler, done)
             m["checkpoints"].append({"step": done, "file": ckpt_name(done), "state_sha256": digest,
                                      "file_sha256": file_sha256(path(ckpt_name(done)))})
@@ -314,8 +441,8 @@ def _train(opts: TrainOptions, device, probe) -> dict:
             record_hashes = []
             m["steps_completed"] = done
             store.save_manifest(opts.out, m)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # before update: a progress line shows this step's loss
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
     bar.close()
     if steps == 0:  # one empty interval: the root commits to the initial state
         m["leaves"] = [store.leaf_data(0, 0, 0, run_sha, m["initial_state_sha256"], []).hex()]
@@ -419,99 +546,110 @@ def audit(run_dir: str, out_dir: str | None = None, progress: bool = True, probe
 def _audit(run_dir, out_dir, progress, probe, intervals, sample, sample_seed, root, policy, device) -> AuditResult:
     t0 = time.perf_counter()
     policy = policy or Policy.from_options(root=root)
-    if root is not None and policy.root not in (None, root):
-        raise RunError(f"--root {root} contradicts the policy's root {policy.root}")
     m = load_manifest(run_dir)
     run = policy.admit(m)
-    reasons = []
-    if not m.get("complete"):
-        raise RunRejected(f"{run_dir}: the run is incomplete (the trainer did not finish); resume it first")
-    leaves = [bytes.fromhex(x) for x in m.get("leaves", [])]
-    tree = store.tree_of(leaves)
-    committed_root = root or policy.root or m.get("root")
-    if tree.root().hex() != committed_root:
-        raise RunRejected(f"{run_dir}: the manifest's leaves hash to {tree.root().hex()[:16]}…, not to the committed "
-                          f"root {str(committed_root)[:16]}…")
-    n = store.interval_count(run.steps, run.checkpoint_every)
-    if len(leaves) != n:  # checked before any per-interval list is built (steps may be up to 2**40)
-        raise RunRejected(f"{run_dir}: {len(leaves)} leaves for {n} intervals")
-    spans = store.intervals(run.steps, run.checkpoint_every)
-    chosen = list(range(n))
-    if intervals is not None:
-        chosen = parse_intervals(intervals, n) if isinstance(intervals, str) else sorted(intervals)
-    elif sample is not None:
-        if sample_seed is None:  # unpredictable to the trainer; saved so the audit can be repeated
-            import secrets
-
-            sample_seed = secrets.randbits(63)
-        chosen = sample_intervals(sample, sample_seed, n)
-    prev = _load_audit_progress(out_dir, committed_root) if out_dir else None
-    done = {int(r["interval"]): r for r in (prev or {}).get("intervals", []) if r.get("complete")}
+    plan = AuditPlan(run_dir, m, run, root, out_dir, intervals, sample, sample_seed)
     if source_hash(run.task) != m.get("task_source_sha256"):  # the trainer must have run this code
         raise RunRejected(f"the source of task {run.task} differs from the trainer's (sha256 mismatch); "
                           f"audit with the same task code")
-    bits = run.bits
     engine = run.engine()
-    grid = Grid(bits)
+    grid = Grid(run.bits)
     task, init_reasons = _rebuild_initial_state(run_dir, m, run, engine)
     place_task(task, device)  # after the initial state is hashed: it is built on the CPU
-    reasons += init_reasons
-    run_sha = store.run_sha256(m)
-    results = [done[i] for i in sorted(done)]
-    state = {"suspicious": 0, "details": [], "entries": 0, "corrections": {"forward": 0, "backward": 0, "optimizer": 0}}
-    freedom = _add_freedom({}, {})
-    for r in results:
-        state["suspicious"] += r.get("suspicious", 0)
-        state["entries"] += r.get("entries", 0)
-        _add_freedom(freedom, r.get("freedom", {}))
-        for k in state["corrections"]:
-            state["corrections"][k] += r.get("corrections", {}).get(k, 0)
-        state["details"] += r.get("suspicious_details", [])
-    todo = [i for i in chosen if i not in done]
-    bar = _progress(sum(spans[i][1] - spans[i][0] for i in chosen), "audit", progress,
-                    initial=sum(spans[i][1] - spans[i][0] for i in chosen if i in done))
+    plan.init_reasons = init_reasons
+    bar = _progress(plan.steps_chosen, "audit", progress, initial=plan.steps_done, every=run.checkpoint_every)
+    for i in plan.todo:
+        a, b = plan.spans[i]
+        plan.add(_audit_interval(run_dir, m, task, engine, grid, i, a, b, plan.leaves, plan.tree, plan.root,
+                                 plan.run_sha, probe, bar))
+    bar.close()
+    return plan.result(t0)
 
-    def save():
-        if out_dir:
-            write_json_atomic(os.path.join(out_dir, "audit.json"), {
-                "run": os.path.abspath(run_dir), "root": committed_root, "run_sha256": run_sha.hex(),
+
+class AuditPlan:
+    """One audit of a run: its commitments checked against the root, the intervals chosen, the results
+    of those already verified (``out_dir`` keeps them: a later audit continues), and the verdict."""
+
+    def __init__(self, run_dir, m, run: AdmittedRun, root, out_dir, intervals, sample, sample_seed):
+        policy = run.policy
+        if root is not None and policy.root not in (None, root):
+            raise RunError(f"--root {root} contradicts the policy's root {policy.root}")
+        self.run_dir, self.m, self.run, self.out_dir, self.policy = run_dir, m, run, out_dir, policy
+        if not m.get("complete"):
+            raise RunRejected(f"{run_dir}: the run is incomplete (the trainer did not finish); resume it first")
+        self.leaves = [bytes.fromhex(x) for x in m.get("leaves", [])]
+        self.tree = store.tree_of(self.leaves)
+        self.root = root or policy.root or m.get("root")
+        if self.tree.root().hex() != self.root:
+            raise RunRejected(f"{run_dir}: the manifest's leaves hash to {self.tree.root().hex()[:16]}…, not to the "
+                              f"committed root {str(self.root)[:16]}…")
+        n = store.interval_count(run.steps, run.checkpoint_every)
+        if len(self.leaves) != n:  # checked before any per-interval list is built (steps may be up to 2**40)
+            raise RunRejected(f"{run_dir}: {len(self.leaves)} leaves for {n} intervals")
+        self.spans = store.intervals(run.steps, run.checkpoint_every)
+        chosen = list(range(n))
+        if intervals is not None:
+            chosen = parse_intervals(intervals, n) if isinstance(intervals, str) else sorted(intervals)
+        elif sample is not None:
+            if sample_seed is None:  # unpredictable to the trainer; saved so the audit can be repeated
+                import secrets
+
+                sample_seed = secrets.randbits(63)
+            chosen = sample_intervals(sample, sample_seed, n)
+        self.sample_seed = sample_seed
+        prev = _load_audit_progress(out_dir, self.root) if out_dir else None
+        self.done = {int(r["interval"]): r for r in (prev or {}).get("intervals", []) if r.get("complete")}
+        self.todo = [i for i in chosen if i not in self.done]
+        self.steps_chosen = sum(self.spans[i][1] - self.spans[i][0] for i in chosen)
+        self.steps_done = sum(self.spans[i][1] - self.spans[i][0] for i in chosen if i in self.done)
+        self.run_sha = store.run_sha256(m)
+        self.results = [self.done[i] for i in sorted(self.done)]
+        self.init_reasons = []
+
+    def add(self, r: dict):
+        """One interval's result (IntervalReplay.out); saved at once with ``out_dir``."""
+        r["complete"] = True
+        self.results.append(r)
+        self.save()
+
+    def save(self):
+        if self.out_dir:
+            results = self.results
+            write_json_atomic(os.path.join(self.out_dir, "audit.json"), {
+                "run": os.path.abspath(self.run_dir), "root": self.root, "run_sha256": self.run_sha.hex(),
                 "intervals": sorted(results, key=lambda r: r["interval"]),
                 "leaves": {str(r["interval"]): r["leaf_hash"] for r in results if r.get("leaf_hash")},
-                "hardware": hardware.describe(), "sample_seed": sample_seed, "initial_state_reasons": init_reasons,
-                "policy": policy.as_dict()})
+                "hardware": hardware.describe(), "sample_seed": self.sample_seed,
+                "initial_state_reasons": self.init_reasons, "policy": self.policy.as_dict()})
 
-    for i in todo:
-        a, b = spans[i]
-        r = _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, committed_root, run_sha, probe, bar)
-        r["complete"] = True
-        results.append(r)
-        state["suspicious"] += r["suspicious"]
-        state["entries"] += r["entries"]
-        _add_freedom(freedom, r["freedom"])
-        for k in state["corrections"]:
-            state["corrections"][k] += r["corrections"][k]
-        state["details"] += r["suspicious_details"]
-        save()
-    bar.close()
-    results.sort(key=lambda r: r["interval"])
-    for r in results:
-        reasons += r["reasons"]
-    if state["suspicious"]:
-        reasons.append(f"{state['suspicious']} suspicious log entries (rounding decisions far from any midpoint)")
-    checkpoints = [c for r in results for c in r["checkpoints"]]
-    result = AuditResult(accepted=not reasons, reasons=reasons, checkpoints=checkpoints,
-                         intervals=[{k: r[k] for k in ("interval", "steps", "match", "resumed") if k in r} for r in results],
-                         steps=sum(b - a for a, b in (spans[r["interval"]] for r in results)),
-                         corrections=state["corrections"], suspicious=state["suspicious"],
-                         suspicious_details=state["details"][:50], entries=state["entries"],
-                         seconds=time.perf_counter() - t0, hardware=hardware.describe(), root=committed_root,
-                         leaves={str(r["interval"]): r.get("leaf_hash") for r in results}, sample_seed=sample_seed,
-                         freedom=freedom,
-                         unverified=unverified_fields(m))
-    for r in result.intervals:
-        r["resumed"] = r["interval"] in done
-    save()
-    return result
+    def result(self, t0) -> AuditResult:
+        results = sorted(self.results, key=lambda r: r["interval"])
+        reasons = list(self.init_reasons)
+        corrections = {"forward": 0, "backward": 0, "optimizer": 0}
+        freedom = _add_freedom({}, {})
+        suspicious, entries, details = 0, 0, []
+        for r in results:
+            reasons += r["reasons"]
+            suspicious += r.get("suspicious", 0)
+            entries += r.get("entries", 0)
+            _add_freedom(freedom, r.get("freedom", {}))
+            for k in corrections:
+                corrections[k] += r.get("corrections", {}).get(k, 0)
+            details += r.get("suspicious_details", [])
+        if suspicious:
+            reasons.append(f"{suspicious} suspicious log entries (rounding decisions far from any midpoint)")
+        intervals = [{k: r[k] for k in ("interval", "steps", "match") if k in r} for r in results]
+        for r in intervals:
+            r["resumed"] = r["interval"] in self.done
+        result = AuditResult(accepted=not reasons, reasons=reasons,
+                             checkpoints=[c for r in results for c in r["checkpoints"]], intervals=intervals,
+                             steps=sum(b - a for a, b in (self.spans[r["interval"]] for r in results)),
+                             corrections=corrections, suspicious=suspicious, suspicious_details=details[:50],
+                             entries=entries, seconds=time.perf_counter() - t0, hardware=hardware.describe(),
+                             root=self.root, leaves={str(r["interval"]): r.get("leaf_hash") for r in results},
+                             sample_seed=self.sample_seed, freedom=freedom, unverified=unverified_fields(self.m))
+        self.save()
+        return result
 
 
 def _add_freedom(total: dict, more: dict) -> dict:
@@ -555,106 +693,146 @@ def _rebuild_initial_state(run_dir: str, m: dict, run: AdmittedRun, engine: Engi
     return task, reasons
 
 
-def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root, run_sha, probe, bar) -> dict:
-    """Replay steps [a, b) from the committed checkpoint after a steps; compare with leaf i."""
-    mode, bits = m["mode"], int(m["bits"])
-    out = {"interval": i, "steps": [a, b], "reasons": [], "checkpoints": [], "suspicious": 0,
-           "suspicious_details": [], "entries": 0, "corrections": {"forward": 0, "backward": 0, "optimizer": 0},
-           "freedom": _add_freedom({}, {})}
-    committed = store.parse_leaf(leaves[i])
-    start_state = m.get("initial_state_sha256") if i == 0 else store.parse_leaf(leaves[i - 1])["state_sha256"]
-    ck = next((c for c in m["checkpoints"] if c["step"] == a), None)
-    if ck is None or start_state is None:
-        out["reasons"].append(f"interval {i}: the run commits to no checkpoint after {a} steps")
-        out["match"] = False
-        return out
-    try:  # by its canonical name, as a regular file inside the run (store.open_run_file)
-        with store.open_run_file(run_dir, ckpt_name(a)) as f:
-            _, h0 = load_checkpoint(f, task.model, task.optimizer, task.scheduler)
-    except CheckpointError as e:  # the run's own checkpoint does not fit its task: a rejection
-        out["reasons"].append(f"interval {i}: {e}")
-        out["match"] = False
-        return out
-    if h0 != start_state:
-        out["reasons"].append(f"interval {i}: {ck['file']} hashes to {h0[:16]}…, the commitment says {start_state[:16]}…")
-        out["match"] = False
-        return out
-    record_hashes = []
-    for step in range(a, b):
-        reader, log_sha = None, None
-        rp = os.path.join(run_dir, record_name(step))
+class IntervalReplay:
+    """The auditor's checks for one interval [a, b), step by step: the committed checkpoint it starts
+    from, each step's data record and rounding log, and the state and leaf it ends at. ``audit`` runs
+    each step with the task; an own loop (loop.py) runs them with the user's code between
+    ``open_step`` and ``close_step``. ``out`` is the interval's result."""
+
+    def __init__(self, run_dir, m, state, engine, i, a, b, leaves, tree, root, run_sha):
+        self.run_dir, self.m, self.state, self.engine = run_dir, m, state, engine  # state: (model, optimizer, scheduler)
+        self.i, self.a, self.b, self.leaves, self.tree, self.root, self.run_sha = i, a, b, leaves, tree, root, run_sha
+        self.mode, self.bits = m["mode"], int(m["bits"])
+        self.committed = store.parse_leaf(leaves[i])
+        self.record_hashes = []
+        self.out = {"interval": i, "steps": [a, b], "reasons": [], "checkpoints": [], "suspicious": 0,
+                    "suspicious_details": [], "entries": 0,
+                    "corrections": {"forward": 0, "backward": 0, "optimizer": 0}, "freedom": _add_freedom({}, {})}
+
+    def fail(self, reason) -> dict:
+        self.out["reasons"].append(reason)
+        self.out["match"] = False
+        return self.out
+
+    def start(self) -> bool:
+        """Load the committed checkpoint after a steps into the state; False (and the reason) if it is not
+        the one the commitments name."""
+        i, a = self.i, self.a
+        start_state = self.m.get("initial_state_sha256") if i == 0 else store.parse_leaf(self.leaves[i - 1])["state_sha256"]
+        ck = next((c for c in self.m["checkpoints"] if c["step"] == a), None)
+        if ck is None or start_state is None:
+            self.fail(f"interval {i}: the run commits to no checkpoint after {a} steps")
+            return False
+        try:  # by its canonical name, as a regular file inside the run (store.open_run_file)
+            with store.open_run_file(self.run_dir, ckpt_name(a)) as f:
+                _, h0 = load_checkpoint(f, *self.state)
+        except CheckpointError as e:  # the run's own checkpoint does not fit its task: a rejection
+            self.fail(f"interval {i}: {e}")
+            return False
+        if h0 != start_state:
+            self.fail(f"interval {i}: {ck['file']} hashes to {h0[:16]}…, the commitment says {start_state[:16]}…")
+            return False
+        return True
+
+    def open_step(self, step):
+        """(ok, reader): the step's committed record and (verified mode) its rounding log, checked; ok is
+        False (and the reason recorded) when they are not the committed ones."""
+        self.log_sha, self.trainer_rec = None, None
+        rp = os.path.join(self.run_dir, record_name(step))
         try:
-            raw_rec = store.read_run_file(run_dir, record_name(step))
+            raw_rec = store.read_run_file(self.run_dir, record_name(step))
         except store.RunFileError as e:
-            out["reasons"].append(f"step {step}: the trainer's data record {e}")
-            break
-        if hashlib.sha256(raw_rec).hexdigest() != committed["records"][step - a]:
-            out["reasons"].append(f"step {step}: {rp} is altered or truncated (its hash differs from leaf {i})")
-            break
-        try:  # the committed record, read once: its log hash and batch hash are checked below
-            trainer_rec = json.loads(raw_rec)
+            self.out["reasons"].append(f"step {step}: the trainer's data record {e}")
+            return False, None
+        if hashlib.sha256(raw_rec).hexdigest() != self.committed["records"][step - self.a]:
+            self.out["reasons"].append(f"step {step}: {rp} is altered or truncated (its hash differs from leaf {self.i})")
+            return False, None
+        try:  # the committed record, read once: its log hash and batch hash are checked in close_step
+            rec = json.loads(raw_rec)
         except ValueError:
-            trainer_rec = None
-        if not isinstance(trainer_rec, dict):
-            trainer_rec = None
-        if mode == "verified":
-            lp = os.path.join(run_dir, log_name(step))
-            try:
-                raw = store.read_run_file(run_dir, log_name(step))
-            except store.RunFileError as e:
-                out["reasons"].append(f"step {step}: rounding log {e}")
-                break
-            log_sha = hashlib.sha256(raw).hexdigest()
-            if trainer_rec is not None and trainer_rec.get("log_sha256") != log_sha:
-                out["reasons"].append(f"step {step}: {lp} is not the log the trainer committed to "
-                                      f"(altered, truncated or replaced)")
-                break
-            try:
-                reader = StepLogReader(raw, expect_step=step, expect_bits=bits)
-                reader.source = lp
-            except LogFormatError as e:
-                out["reasons"].append(f"step {step}: {lp}: {e}")
-                break
+            rec = None
+        self.trainer_rec = rec if isinstance(rec, dict) else None
+        if self.mode != "verified":
+            return True, None
+        lp = os.path.join(self.run_dir, log_name(step))
+        try:
+            raw = store.read_run_file(self.run_dir, log_name(step))
+        except store.RunFileError as e:
+            self.out["reasons"].append(f"step {step}: rounding log {e}")
+            return False, None
+        self.log_sha = hashlib.sha256(raw).hexdigest()
+        if self.trainer_rec is not None and self.trainer_rec.get("log_sha256") != self.log_sha:
+            self.out["reasons"].append(f"step {step}: {lp} is not the log the trainer committed to "
+                                       f"(altered, truncated or replaced)")
+            return False, None
+        try:
+            reader = StepLogReader(raw, expect_step=step, expect_bits=self.bits)
+            reader.source = lp
+        except LogFormatError as e:
+            self.out["reasons"].append(f"step {step}: {lp}: {e}")
+            return False, None
+        return True, reader
+
+    def close_step(self, step, stats, batch, indices, loss):
+        """Count the replayed step's corrections and suspicious entries; compare its data record."""
+        out = self.out
+        for k in out["corrections"]:
+            out["corrections"][k] += stats.corrections[k]
+        out["suspicious"] += stats.suspicious_count
+        out["suspicious_details"] += [d.__dict__ for d in stats.suspicious][: max(0, 50 - len(out["suspicious_details"]))]
+        out["entries"] += stats.entries_total
+        _add_freedom(out["freedom"], stats.freedom())
+        bh = batch_hash(batch)
+        if self.trainer_rec is not None and self.trainer_rec.get("batch_sha256") != bh:
+            out["reasons"].append(f"step {step}: the trainer's data record differs from what batch({step}) yields")
+        self.record_hashes.append(hashlib.sha256(store.record_bytes(step, bh, indices, loss, self.log_sha)).hexdigest())
+
+    def finish(self) -> dict:
+        """After the last step: the state against the committed one, and this replay's leaf against the root."""
+        out, a, b = self.out, self.a, self.b
+        h = hash_state(*self.state, b)
+        ok = h == self.committed["state_sha256"]
+        out["checkpoints"].append({"step": b, "trainer": self.committed["state_sha256"], "auditor": h, "match": ok})
+        if not ok:
+            out["reasons"].append(f"checkpoint after step {b}: state hash {h[:16]}… differs from the "
+                                  f"trainer's {self.committed['state_sha256'][:16]}…")
+        mine = store.leaf_data(self.i, a, b, self.run_sha, h, self.record_hashes)
+        out["leaf_hash"] = leaf_hash(mine).hex()
+        proof = self.tree.inclusion_proof(self.i)
+        out["match"] = verify_inclusion(leaf_hash(mine), self.i, len(self.leaves), proof, bytes.fromhex(self.root))
+        if not out["match"] and ok:
+            diff = [a + j for j, (x, y) in enumerate(zip(self.record_hashes, self.committed["records"])) if x != y]
+            out["reasons"].append(f"interval {self.i}: the replay's data records differ from the committed ones at "
+                                  f"steps {diff[:5]} (batch, loss or log)")
+        return out
+
+
+def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root, run_sha, probe, bar) -> dict:
+    """Replay steps [a, b) with the task from the committed checkpoint after a steps; compare with leaf i."""
+    iv = IntervalReplay(run_dir, m, (task.model, task.optimizer, task.scheduler), engine, i, a, b, leaves, tree,
+                        root, run_sha)
+    if not iv.start():
+        return iv.out
+    for step in range(a, b):
+        ok, reader = iv.open_step(step)
+        if not ok:
+            break
         try:
             with step_context(engine, step, reader=reader, probe=probe) as st:
-                batch = _prepare_batch(task.batch(step), mode, grid)
+                batch = _prepare_batch(task.batch(step), m["mode"], grid)
                 loss = task.run_step(batch)
         except (ReplayMismatchError, LogFormatError) as e:
-            out["reasons"].append(str(e))
+            iv.out["reasons"].append(str(e))
             break
         finally:
             if reader:
                 reader.close()
-        for k in out["corrections"]:
-            out["corrections"][k] += st.stats.corrections[k]
-        out["suspicious"] += st.stats.suspicious_count
-        out["suspicious_details"] += [d.__dict__ for d in st.stats.suspicious][: max(0, 50 - len(out["suspicious_details"]))]
-        out["entries"] += st.stats.entries_total
-        _add_freedom(out["freedom"], st.stats.freedom())
-        bh = batch_hash(batch)
-        if trainer_rec is not None and trainer_rec.get("batch_sha256") != bh:
-            out["reasons"].append(f"step {step}: the trainer's data record differs from what batch({step}) yields")
-        indices = task.batch_indices(step) if task.batch_indices else None
-        record_hashes.append(hashlib.sha256(store.record_bytes(step, bh, indices, loss, log_sha)).hexdigest())
+        iv.close_step(step, st.stats, batch, task.batch_indices(step) if task.batch_indices else None, loss)
         bar.update(1)
     else:
-        h = hash_state(task.model, task.optimizer, task.scheduler, b)
-        ok = h == committed["state_sha256"]
-        out["checkpoints"].append({"step": b, "trainer": committed["state_sha256"], "auditor": h, "match": ok})
-        if not ok:
-            out["reasons"].append(f"checkpoint after step {b}: state hash {h[:16]}… differs from the "
-                                  f"trainer's {committed['state_sha256'][:16]}…")
-        mine = store.leaf_data(i, a, b, run_sha, h, record_hashes)
-        out["leaf_hash"] = leaf_hash(mine).hex()
-        proof = tree.inclusion_proof(i)
-        out["match"] = verify_inclusion(leaf_hash(mine), i, len(leaves), proof, bytes.fromhex(root))
-        if not out["match"] and ok:
-            diff = [a + j for j, (x, y) in enumerate(zip(record_hashes, committed["records"])) if x != y]
-            out["reasons"].append(f"interval {i}: the replay's data records differ from the committed ones at steps "
-                                  f"{diff[:5]} (batch, loss or log)")
-        return out
-    out["match"] = False
-    return out
+        return iv.finish()
+    iv.out["match"] = False
+    return iv.out
 
 
 def evaluate_run(run_dir: str, step: int | None = None, policy: Policy | None = None, device="cpu") -> dict:

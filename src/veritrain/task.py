@@ -101,7 +101,44 @@ def resolve(ref: str) -> str:
     return BUILTIN_TASKS.get(ref, ref)
 
 
+# task functions and built Tasks handed to the Python API in this process, by reference (register)
+_REGISTERED: dict[str, Callable] = {}
+
+
+def register(task) -> str:
+    """The reference under which the runner finds ``task``: a string as it is; a task function that can be
+    imported by name as 'module:function'; any other function (a lambda, a closure, one defined in
+    ``__main__``) and a built ``Task`` as 'python:module:name', found in this process only. A built Task
+    is used as it is (its model's current weights are the run's initial state), so an auditor in the same
+    process gives a freshly built one; both get the same reference from the code that defines them."""
+    if isinstance(task, str):
+        return task
+    if isinstance(task, Task):
+        code = task.train_step or task.loss
+        ref = f"python:{getattr(code, '__module__', '?')}:{getattr(code, '__qualname__', '?')}:task"
+        fn = lambda config: task  # noqa: E731
+        fn.__module__, fn.__qualname__ = getattr(code, "__module__", __name__), getattr(code, "__qualname__", "task")
+        _REGISTERED[ref] = fn
+        return ref
+    if not callable(task):
+        raise TaskError(f"a task is a name, 'module:function', a function config -> Task or a Task, not "
+                        f"{type(task).__name__}")
+    module, name = getattr(task, "__module__", None), getattr(task, "__qualname__", "")
+    if module and module != "__main__" and name.isidentifier():
+        with contextlib.suppress(ImportError):
+            if getattr(importlib.import_module(module), name, None) is task:
+                return f"{module}:{name}"
+    ref = f"python:{module}:{name}"
+    _REGISTERED[ref] = task
+    return ref
+
+
 def load_function(ref: str) -> Callable:
+    if ref in _REGISTERED:
+        return _REGISTERED[ref]
+    if ref.startswith("python:"):
+        raise TaskError(f"task {ref!r} was handed to veritrain's Python API in another process; pass the same "
+                        f"function or Task to this one")
     target = resolve(ref)
     if ":" not in target:
         raise TaskError(f"task {ref!r} is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor "
@@ -110,7 +147,11 @@ def load_function(ref: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise TaskError(f"cannot import task module {module_name!r}: {e}") from None
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and e.name and (module_name + ".").startswith(e.name + "."):
+            # the task's own module (or its package) is not on the path, not a dependency it imports
+            hint = " (is its folder on PYTHONPATH? e.g. PYTHONPATH=/path/to/dir veritrain train ...)"
+        raise TaskError(f"cannot import task module {module_name!r}: {e}{hint}") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise TaskError(f"module {module_name!r} has no callable {func_name!r}")

@@ -1,0 +1,503 @@
+"""Your own training loop, made verifiable: ``veritrain.Run``.
+
+    with veritrain.init(seed=0) as init:                  # the same initial weights on every machine
+        model = build_model(); optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    run = veritrain.Run("runs/a", model, optimizer, seed=0, checkpoint_every=100, init=init)
+    for step, batch in run.steps(loader, num_steps):      # the batch of step s depends only on (seed, s)
+        with run.step(batch):                             # the engine: records or replays this step
+            loss = model(batch).loss
+            loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+Run normally, the script is the trainer: ``Run`` writes a run folder exactly as ``veritrain train`` does
+(docs/FORMAT.md), and a run killed mid-way continues from its last checkpoint when the script is run again.
+Run with ``VERITRAIN_AUDIT=<run folder>`` in the environment (``veritrain audit RUN -- python train.py``
+sets it), the same script is the auditor: ``steps`` yields only the steps of the audited intervals, each
+interval starting from the run's committed checkpoint; ``step`` replays the trainer's rounding log; when
+the loop ends the verdict is printed and kept in ``run.result``.
+
+The auditor's checks are the Task path's (runner.AuditPlan, runner.IntervalReplay). What it takes from the
+run is decided as in policy.py, with the script the auditor runs as the task: the script's source, its
+settings (config, seed, steps, checkpoint interval, grid, mode) and the initial weights it builds are the
+auditor's own, and the run's manifest is compared with them; a contract may pin more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import hardware, store
+from .checkpoint import CheckpointError, hash_state, load_checkpoint, save_checkpoint
+from .commitments import batch_hash
+from .engine import EngineConfig, ReplayMismatchError, step_context
+from .logformat import LogFormatError, StepLogWriter
+from .policy import Policy, PolicyError
+from .rounding import Grid
+from .runner import (AuditPlan, AuditResult, IntervalReplay, RunWriter, _check_new_run_dir, _init_log_reader,
+                     _prepare_batch, _progress, versions)
+from .store import INIT_LOG, FORMAT, RunError, RunRejected, ckpt_name, file_sha256, log_name, record_name
+from .task import TaskError, normalize_optimizer
+
+AUDIT_ENV = "VERITRAIN_AUDIT"  # the run folder to audit: the script replays it instead of training
+AUDIT_OPTIONS_ENV = "VERITRAIN_AUDIT_OPTIONS"  # JSON: intervals, sample, seed, root, contract, out, result, quiet
+LOOP_MODES = ("verified", "nolog", "fp32")
+
+
+class LoopError(RunError):
+    """The loop does not follow Run's protocol (a step outside ``with run.step(batch)``, ...)."""
+
+
+def auditing() -> str | None:
+    """The run folder this process audits (VERITRAIN_AUDIT), or None when it trains."""
+    return os.environ.get(AUDIT_ENV) or None
+
+
+def _audit_options() -> dict:
+    raw = os.environ.get(AUDIT_OPTIONS_ENV)
+    try:
+        opts = json.loads(raw) if raw else {}
+    except ValueError:
+        raise RunError(f"{AUDIT_OPTIONS_ENV} is not JSON: {raw[:80]!r}") from None
+    if not isinstance(opts, dict):
+        raise RunError(f"{AUDIT_OPTIONS_ENV} must be a JSON object")
+    return opts
+
+
+def _refuse(reason: str):
+    """Auditor: the run is refused before any replay; tell ``veritrain audit`` (if it started us) and stop."""
+    path = _audit_options().get("result")
+    if path:
+        store.write_json_atomic(path, {"refused": True, "accepted": False, "reasons": [reason]})
+    raise RunRejected(reason)
+
+
+@dataclass
+class Initialization:
+    """What ``init`` recorded: the engine settings it built under, its log (trainer) and its statistics."""
+
+    seed: int
+    bits: int
+    mode: str
+    log_path: str | None = None
+    log_sha256: str | None = None
+    stats: object = None
+    reasons: list = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
+    """Build the model (and optimizer) inside this block so that every machine builds the same initial
+    weights: random initialisation draws from the counter-based generator (domain "init"), float ops are
+    computed in float64 and rounded to the grid, and near-midpoint decisions go to an initialisation log
+    (the trainer's) or come from the audited run's. Pass what it yields to ``Run(..., init=...)``."""
+    if mode not in LOOP_MODES:
+        raise RunError(f"mode must be one of {', '.join(LOOP_MODES)}, got {mode!r}")
+    hardware.apply_process_settings()
+    rec = Initialization(seed=int(seed), bits=int(bits), mode=mode)
+    engine = EngineConfig(mode=mode, bits=rec.bits, seed=rec.seed)
+    writer = reader = None
+    run_dir = auditing()
+    if run_dir and mode == "verified":
+        m = store.load_manifest(run_dir)
+        if m.get("init_log_sha256"):
+            try:
+                reader = _init_log_reader(run_dir, m)
+            except RunRejected as e:
+                _refuse(str(e))
+    elif mode == "verified":
+        fd, rec.log_path = tempfile.mkstemp(prefix="veritrain-init-", suffix=".vtlog")
+        os.close(fd)
+        writer = StepLogWriter(rec.log_path, 0, rec.bits)
+    try:
+        with step_context(engine, 0, writer=writer, reader=reader, domain="init") as st:
+            yield rec
+        if writer is not None:
+            rec.log_sha256 = writer.close()["sha256"]
+    except (ReplayMismatchError, LogFormatError) as e:
+        _refuse(f"initial state: the script's construction does not replay the run's initialisation log ({e})")
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        if reader is not None:
+            reader.close()
+    rec.stats = st.stats
+
+
+def _script_of(frame) -> tuple[str, str]:
+    """(label, source sha256) of the file that constructs the Run: the code an auditor must run too."""
+    path = frame.f_code.co_filename
+    if not os.path.isfile(path):
+        raise RunError(f"veritrain.Run must be created in a script or module file (not {path}): the auditor "
+                       f"runs the same file")
+    with open(path, "rb") as f:
+        return f"loop:{os.path.basename(path)}", hashlib.sha256(f.read()).hexdigest()
+
+
+def _as_step_data(data, seed: int):
+    """(batch(step), indices(step) or None, iter_steps(start, stop) or None) for a StepLoader, a torch
+    DataLoader (made step-indexed with the run's seed) or a function of the step."""
+    from .data import StepLoader
+
+    if isinstance(data, torch.utils.data.DataLoader):
+        data = StepLoader.from_dataloader(data, seed=seed)
+    if isinstance(data, StepLoader):
+        return data.batch, data.indices, data.iter_steps
+    if callable(data):
+        return data, None, None
+    raise TaskError(f"Run.steps expects a torch DataLoader, a veritrain.data.StepLoader or a function "
+                    f"batch(step), got {type(data).__name__}")
+
+
+class Run:
+    """One verifiable run of your own loop (see the module's docstring). The trainer's half writes the
+    run (``_Recording``); with VERITRAIN_AUDIT set the auditor's half replays it (``_Replaying``)."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Run:
+            cls = _Replaying if auditing() else _Recording
+        return super().__new__(cls)
+
+    def __init__(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler=None,
+                 seed: int = 0, checkpoint_every: int = 100, bits: int = 32, mode: str = "verified",
+                 config: dict | None = None, init: Initialization | None = None, quiet: bool = False):
+        if not isinstance(model, torch.nn.Module):
+            raise TaskError(f"Run: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TaskError(f"Run: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if mode not in LOOP_MODES:
+            raise RunError(f"Run: mode must be one of {', '.join(LOOP_MODES)}, got {mode!r}")
+        if not 23 <= int(bits) <= 32 or int(checkpoint_every) <= 0:
+            raise RunError("Run: bits must be in 23..32 and checkpoint_every positive")
+        if init is not None and (init.bits, init.mode) != (int(bits), mode):
+            raise RunError(f"Run: veritrain.init used bits={init.bits}, mode={init.mode}; the run bits={bits}, mode={mode}")
+        try:
+            self.config = json.loads(json.dumps(config or {}))  # as the manifest will hold it
+        except (TypeError, ValueError) as e:
+            raise RunError(f"Run: config must be JSON data ({e})") from None
+        hardware.apply_process_settings()
+        normalize_optimizer(optimizer)
+        self.path, self.model, self.optimizer, self.scheduler = path, model, optimizer, scheduler
+        self.state = (model, optimizer, scheduler)
+        self.seed, self.checkpoint_every, self.bits, self.mode = int(seed), int(checkpoint_every), int(bits), mode
+        self.init, self.quiet = init, quiet
+        self.grid = Grid(self.bits)
+        self.task, self.source_sha256 = _script_of(sys._getframe(1))
+        if self.mode in ("verified", "nolog") and self.grid.drop:  # the model lives on the coarser grid
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    if t.is_floating_point():
+                        t.copy_(self.grid.round(t.double()))
+        self.result = None  # the auditor's AuditResult, after the loop
+        self.manifest = None
+        self._pending = None  # the step the loop body is running, with its batch
+        self._done = None
+
+    def engine(self, thresholds=None) -> EngineConfig:
+        return EngineConfig(mode=self.mode, bits=self.bits, seed=self.seed, thresholds=dict(thresholds or {}))
+
+    def _yielded(self, step, batch):
+        self._pending, self._done = (step, batch), None
+
+    def _taken(self, step):
+        if self._done is None:
+            raise LoopError(f"step {step}: the loop body did not run its step inside `with run.step(batch):`")
+        done, self._pending, self._done = self._done, None, None
+        return done
+
+    @contextlib.contextmanager
+    def step(self, batch):
+        """Run the body (forward, backward, optimizer step) of the step ``steps`` just yielded under the
+        engine. Yields a handle: set ``.loss`` to the loss tensor to have it recorded in the run."""
+        if self._pending is None or self._done is not None:
+            raise LoopError("run.step(batch) is used once per step, inside `for step, batch in run.steps(...)`")
+        step, expected = self._pending
+        if not _part_of(batch, expected):
+            raise LoopError(f"step {step}: run.step() must be given the batch run.steps() yielded (or a part of it)")
+        handle = StepHandle(step)
+        with self._engine_step(step) as stats:
+            yield handle
+        loss = handle.loss
+        self._done = {"loss": None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss),
+                      "stats": stats.get("stats"), "log": stats.get("log"), "error": stats.get("error")}
+
+
+def _part_of(x, tree) -> bool:
+    """Whether ``x`` is ``tree`` or one of the containers or tensors inside it."""
+    if x is tree:
+        return True
+    if isinstance(tree, dict):
+        return any(_part_of(x, v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_part_of(x, v) for v in tree)
+    return False
+
+
+@dataclass
+class StepHandle:
+    step: int
+    loss: object = None
+
+
+class _Recording(Run):
+    """The trainer's half: writes the run folder step by step, resumable."""
+
+    def steps(self, data, num_steps: int):
+        """Yield (step, batch) for the steps still to train; after the last, the run is complete."""
+        batch_of, indices_of, iter_steps = _as_step_data(data, self.seed)
+        if int(num_steps) < 0:
+            raise RunError("num_steps must be >= 0")
+        m, start = self._resume(int(num_steps)) if os.path.exists(os.path.join(self.path, store.MANIFEST)) \
+            else self._begin(int(num_steps))
+        writer = RunWriter(self.path, m, self.state, start)
+        self._writer = writer
+        source = iter_steps(start, m["steps"]) if iter_steps else ((s, batch_of(s)) for s in range(start, m["steps"]))
+        bar = _progress(m["steps"], "train", not self.quiet, initial=start)
+        t0 = time.perf_counter()
+        first_hash = {}
+        for step, raw in source:
+            batch = _prepare_batch(raw, self.mode, self.grid)
+            self._yielded(step, batch)
+            yield step, batch
+            done = self._taken(step)
+            a = (step // self.checkpoint_every) * self.checkpoint_every
+            if step == a:
+                first_hash[a] = batch_hash(batch)
+            if (step + 1) % self.checkpoint_every == 0 or step + 1 == m["steps"]:
+                _check_pure(batch_of, a, first_hash.pop(a, None), self.mode, self.grid)
+            writer.record(step, batch, indices_of(step) if indices_of else None, done["loss"], done["log"])
+            bar.update(1)
+        bar.close()
+        self.manifest = writer.finish(time.perf_counter() - t0)
+        self.root = self.manifest["root"]
+
+    @contextlib.contextmanager
+    def _engine_step(self, step):
+        out = {}
+        log = self._writer.log_writer(step)
+        try:
+            with step_context(self.engine(self._thresholds), step, writer=log) as st:
+                yield out
+            out["log"] = log.close() if log else None
+        except BaseException:
+            if log:
+                log.abort()
+            raise
+        out["stats"] = st.stats
+
+    def _manifest(self, steps: int, thresholds: dict) -> dict:
+        return {"format": FORMAT, "task": self.task, "task_source_sha256": self.source_sha256, "config": self.config,
+                "seed": self.seed, "mode": self.mode, "bits": self.bits, "thresholds": thresholds, "slack": 2.0,
+                "steps": steps, "checkpoint_every": self.checkpoint_every, "versions": versions(),
+                "hardware": hardware.describe(), "checkpoints": [], "leaves": [], "steps_completed": 0,
+                "complete": False, "root": None, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def _begin(self, steps: int):
+        _check_new_run_dir(self.path)
+        engine = EngineConfig(mode=self.mode, bits=self.bits, seed=self.seed)
+        self._thresholds = engine.thresholds
+        m = self._manifest(steps, engine.thresholds)
+        os.makedirs(self.path, exist_ok=True)
+        m["init_log_sha256"] = None
+        if self.init is not None and self.init.log_path:
+            os.makedirs(os.path.dirname(os.path.join(self.path, INIT_LOG)), exist_ok=True)
+            shutil.move(self.init.log_path, os.path.join(self.path, INIT_LOG))
+            m["init_log_sha256"] = self.init.log_sha256
+        p0 = os.path.join(self.path, ckpt_name(0))
+        digest = save_checkpoint(p0, *self.state, 0)
+        m["checkpoints"].append({"step": 0, "file": ckpt_name(0), "state_sha256": digest, "file_sha256": file_sha256(p0)})
+        m["initial_state_sha256"] = digest
+        store.save_manifest(self.path, m)
+        return m, 0
+
+    def _resume(self, steps: int):
+        """A run of this script killed mid-way: restore the last checkpoint into the model and optimizer."""
+        m = store.load_manifest(self.path)
+        if m.get("complete"):
+            raise RunError(f"{self.path} is a complete run; choose a new path (nothing was overwritten)")
+        mine = {"task": self.task, "task_source_sha256": self.source_sha256, "config": self.config, "seed": self.seed,
+                "mode": self.mode, "bits": self.bits, "steps": steps, "checkpoint_every": self.checkpoint_every}
+        diff = [k for k, v in mine.items() if m.get(k) != v]
+        if diff:
+            raise RunError(f"{self.path} holds an unfinished run with other {', '.join(diff)}; resume it with the "
+                           f"same script and settings, or choose a new path")
+        self._thresholds = m["thresholds"]
+        store.remove_stray_temporaries(self.path)
+        last = m["checkpoints"][-1]
+        try:
+            if store.run_file_sha256(self.path, ckpt_name(last["step"])) != last.get("file_sha256"):
+                raise RunError(f"{last['file']}, the run's last committed checkpoint, is altered; cannot resume")
+            with store.open_run_file(self.path, ckpt_name(last["step"])) as f:
+                step, h = load_checkpoint(f, *self.state)
+        except store.RunFileError as e:
+            raise RunError(f"{last['file']}, the run's last committed checkpoint, {e.problem}; cannot resume") from None
+        except CheckpointError as e:
+            raise RunError(str(e)) from None
+        if h != last["state_sha256"]:
+            raise RunError(f"{last['file']} does not hold the committed state; cannot resume")
+        m["leaves"] = m.get("leaves", [])[: len(m["checkpoints"]) - 1]
+        m["steps_completed"] = step
+        for s in range(step, m["steps"]):  # written by the killed process after its last checkpoint: redone
+            for name in (log_name(s), record_name(s), ckpt_name(s + 1)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.path, name))
+        if not self.quiet:
+            print(f"veritrain: resuming {self.path} after step {step}", file=sys.stderr)
+        return m, step
+
+
+def _check_pure(batch_of, step, recorded, mode, grid):
+    """The data of ``step``, produced again later, must be the same bytes (partial audits start anywhere)."""
+    if recorded is None:
+        return
+    if batch_hash(_prepare_batch(batch_of(step), mode, grid)) != recorded:
+        raise TaskError(f"the data of step {step}, produced again, differs from what step {step} trained on: the "
+                        f"dataset has hidden state (e.g. augmentation from torch's global RNG). Draw data randomness "
+                        f"with veritrain.randomness, keyed by the example index and epoch")
+
+
+class _Replaying(Run):
+    """The auditor's half: replays the audited intervals of the run named by VERITRAIN_AUDIT."""
+
+    def steps(self, data, num_steps: int):
+        """Yield (step, batch) for the steps of the audited intervals, each interval from its committed
+        checkpoint; after the last, ``self.result`` holds the verdict."""
+        t0 = time.perf_counter()
+        batch_of, indices_of, _ = _as_step_data(data, self.seed)
+        run_dir = auditing()
+        opts = _audit_options()
+        try:
+            m, run = self._admit(run_dir, int(num_steps), opts)
+            plan = AuditPlan(run_dir, m, run, opts.get("root"), opts.get("out"), opts.get("intervals"),
+                             opts.get("sample"), opts.get("seed"))
+        except RunRejected as e:
+            _refuse(str(e))
+        plan.init_reasons = self._initial_state_reasons(m, run)
+        engine = run.engine()
+        bar = _progress(plan.steps_chosen, "audit", not (self.quiet or opts.get("quiet")), initial=plan.steps_done)
+        for i in plan.todo:
+            a, b = plan.spans[i]
+            iv = IntervalReplay(run_dir, m, self.state, engine, i, a, b, plan.leaves, plan.tree, plan.root,
+                                plan.run_sha)
+            self._iv, self._engine_config = iv, engine
+            if not iv.start():
+                plan.add(iv.out)
+                continue
+            for step in range(a, b):
+                ok, reader = iv.open_step(step)
+                if not ok:
+                    break
+                self._reader = reader
+                batch = _prepare_batch(batch_of(step), self.mode, self.grid)
+                self._yielded(step, batch)
+                try:
+                    yield step, batch
+                    done = self._taken(step)
+                finally:
+                    if reader:
+                        reader.close()
+                if done["error"]:
+                    iv.out["reasons"].append(done["error"])
+                    break
+                iv.close_step(step, done["stats"], batch, indices_of(step) if indices_of else None, done["loss"])
+                bar.update(1)
+            else:
+                plan.add(iv.finish())
+                continue
+            iv.out["match"] = False
+            plan.add(iv.out)
+        bar.close()
+        self.result = plan.result(t0)
+        self._report(opts)
+
+    @contextlib.contextmanager
+    def _engine_step(self, step):
+        out = {}
+        try:
+            with step_context(self._engine_config, step, reader=self._reader) as st:
+                yield out
+        except (ReplayMismatchError, LogFormatError) as e:  # the step does not replay: this interval fails
+            out["error"] = str(e)
+            return
+        out["stats"] = st.stats
+
+    def _admit(self, run_dir: str, steps: int, opts: dict):
+        """The run's manifest against the auditor's policy and against this script's own settings."""
+        policy = Policy.from_options(contract=opts.get("contract"), root=opts.get("root"))
+        if policy.task is None:  # the auditor runs this script: it names the task itself
+            policy.task = self.task
+        m = store.load_manifest(run_dir)
+        run = policy.admit(m, build=False)
+        mine = {"task_source_sha256": self.source_sha256, "config": self.config, "seed": self.seed, "steps": steps,
+                "checkpoint_every": self.checkpoint_every, "bits": self.bits, "mode": self.mode}
+        for name, want in mine.items():
+            if m.get(name) != want:
+                raise PolicyError(f"the run's manifest: field {name!r} is {str(m.get(name))[:200]!r}, this script's "
+                                  f"is {str(want)[:200]!r} (audit with the trainer's script and settings)")
+        if policy.config is not None and m["config"] != policy.config:
+            raise PolicyError(f"the run's manifest: field 'config' differs from the policy's ({policy.source})")
+        return m, run
+
+    def _initial_state_reasons(self, m: dict, run) -> list:
+        """The initial weights this script built (under veritrain.init, replaying the run's log) against the
+        run's commitment and the policy's pin."""
+        reasons = []
+        if self.init is not None and self.init.stats is not None and self.init.stats.suspicious_count:
+            reasons.append(f"initial state: {self.init.stats.suspicious_count} suspicious entries in {INIT_LOG}")
+        h = hash_state(*self.state, 0)
+        for who, want in (("the run", m.get("initial_state_sha256")), ("the policy", run.initial_state_sha256)):
+            if want is not None and h != want or (who == "the run" and want is None):
+                hint = "" if self.init is not None else " (build the model inside `with veritrain.init(seed):`)"
+                reasons.append(f"initial state: this script's model hashes to {h[:16]}…, {who} commits to "
+                               f"{str(want)[:16]}… (the trainer started from other weights){hint}")
+        return reasons
+
+    def _report(self, opts: dict):
+        r = self.result
+        if opts.get("result"):
+            store.write_json_atomic(opts["result"], r.as_dict())
+        if not (self.quiet or opts.get("quiet")):
+            print(f"veritrain audit of {auditing()}: {'ACCEPT' if r.accepted else 'REJECT'} ({r.steps} steps "
+                  f"replayed, {sum(r.corrections.values())} corrections)", file=sys.stderr)
+            for reason in r.reasons[:10]:
+                print(f"  - {reason}", file=sys.stderr)
+
+
+def audit_script(run_dir: str, command: list[str], *, out: str | None = None, intervals=None, sample: int | None = None,
+                 sample_seed: int | None = None, root: str | None = None, contract: str | None = None,
+                 quiet: bool = False) -> AuditResult:
+    """Audit a run of an own loop by running ``command`` (the trainer's script, e.g. ``python train.py``)
+    with VERITRAIN_AUDIT set; returns its AuditResult. RunRejected when the run was refused."""
+    if not command:
+        raise RunError("audit: give the command that runs the training script after `--`")
+    if not os.path.isfile(os.path.join(run_dir, store.MANIFEST)):
+        raise RunError(f"{run_dir} is not a run folder (no {store.MANIFEST})")
+    with tempfile.TemporaryDirectory(prefix="veritrain-audit-") as tmp:
+        result = os.path.join(tmp, "result.json")
+        opts = {"out": os.path.abspath(out) if out else None, "intervals": intervals, "sample": sample,
+                "seed": sample_seed, "root": root, "contract": os.path.abspath(contract) if contract else None,
+                "result": result, "quiet": quiet}
+        env = dict(os.environ, **{AUDIT_ENV: os.path.abspath(run_dir), AUDIT_OPTIONS_ENV: json.dumps(opts)})
+        try:
+            rc = subprocess.call(command, env=env, stdout=sys.stderr)  # our stdout is the verdict (--json)
+        except OSError as e:
+            raise RunError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
+        if not os.path.exists(result):
+            raise RunError(f"the audited script ({' '.join(command)}) exited with code {rc} before it finished the "
+                           f"audit (its output above says why)")
+        with open(result) as f:
+            data = json.load(f)
+    if data.get("refused"):
+        raise RunRejected("; ".join(data["reasons"]))
+    return AuditResult(**data)

@@ -1,0 +1,188 @@
+"""Your own loop (veritrain.Run): a tiny Hugging Face GPT-2 with an ordinary shuffling DataLoader over two
+epochs, trained by a script and audited by running the same script (`veritrain audit RUN -- python train.py`),
+fully and in part, on other hardware; and what a lying trainer or a broken loop gets."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import cli, recommit
+
+SCRIPT = '''
+import os, sys
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import veritrain
+
+lr = float(os.environ.get("LR", "1e-3"))
+tokens = torch.arange(40 * 17).reshape(40, 17) * 7 % 64          # 40 sequences of 17 tokens
+loader = DataLoader(TensorDataset(tokens), batch_size=8, shuffle=True)   # 5 steps per epoch
+
+with veritrain.init(seed=0) as init:
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+run = veritrain.Run(sys.argv[1], model, optimizer, seed=0, checkpoint_every=4, init=init, config={"lr": lr})
+for step, (batch,) in run.steps(loader, 10):                     # two epochs
+    if step == int(os.environ.get("CRASH_AT", "-1")):
+        raise SystemExit("crashed on purpose")
+    with run.step(batch) as s:
+        logits = model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, 64).double(), batch[:, 1:].reshape(-1))
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        s.loss = loss
+'''
+
+
+def python(script, *args, env=None, cwd=None):
+    import subprocess
+
+    e = {k: v for k, v in os.environ.items() if not k.startswith("VERITRAIN_")}
+    e.update(env or {})
+    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, env=e,
+                          cwd=cwd, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("loop")
+    script = d / "train.py"
+    script.write_text(SCRIPT)
+    p = python(script, d / "run", cwd=d)
+    assert p.returncode == 0, p.stderr
+    return d, script, d / "run"
+
+
+def audit(d, run, *flags, script_args=(), env=None):
+    p = cli("audit", run, "--json", "--quiet", *flags, "--", sys.executable, d / "train.py", run, *script_args,
+            env=env, cwd=d)
+    assert p.returncode in (0, 1), p.stderr
+    return json.loads(p.stdout), p
+
+
+def test_the_run_is_an_ordinary_run_folder(trained):
+    d, script, run = trained
+    m = json.loads((run / "manifest.json").read_text())
+    assert m["complete"] and m["task"] == "loop:train.py" and m["steps"] == 10 and m["config"] == {"lr": 0.001}
+    assert [c["step"] for c in m["checkpoints"]] == [0, 4, 8, 10] and m["init_log_sha256"]
+    records = [json.loads((run / "records" / f"step_{s:08d}.json").read_text()) for s in range(10)]
+    # a shuffling DataLoader made step-indexed: each epoch is a permutation of the 40 examples
+    for epoch in (0, 1):
+        seen = sorted(i for r in records[epoch * 5:(epoch + 1) * 5] for i in r["batch_indices"])
+        assert seen == list(range(40))
+    assert records[0]["batch_indices"] != records[5]["batch_indices"] and records[0]["loss"] > 0
+    assert cli("verify", run, "--task", "loop:train.py", check=0)
+
+
+@pytest.mark.parametrize("flags", [[], ["--intervals", "1-2"]], ids=["full", "intervals"])
+def test_the_same_script_audits_on_other_hardware(trained, flags):
+    d, script, run = trained
+    r, p = audit(d, run, "--variant", "isa-default", *flags)
+    assert r["accepted"], r["reasons"]
+    assert [iv["interval"] for iv in r["intervals"]] == ([0, 1, 2] if not flags else [1, 2])
+    assert all(c["match"] for c in r["checkpoints"]) and r["steps"] == (10 if not flags else 6)
+    assert r["hardware"]["variant"] == "isa-default"
+
+
+def test_the_log_carries_the_loop_across_the_worst_case_auditor(trained):
+    d, script, run = trained
+    r, _ = audit(d, run, "--variant", "perturb")
+    assert r["accepted"], r["reasons"]
+    assert sum(r["corrections"].values()) > 0
+
+
+def test_other_settings_in_the_auditors_script_are_refused(trained):
+    d, script, run = trained
+    p = cli("audit", run, "--quiet", "--", sys.executable, d / "train.py", run, env={"LR": "2e-3"}, cwd=d)
+    assert p.returncode == 1 and "'config'" in p.stderr and "REJECT" in p.stderr, p.stderr
+
+
+def test_an_edited_script_is_refused(trained, tmp_path):
+    d, script, run = trained
+    other = tmp_path / "train.py"
+    other.write_text(SCRIPT.replace("lr=lr)", "lr=lr, weight_decay=0.0)"))
+    p = cli("audit", run, "--quiet", "--", sys.executable, other, run, cwd=tmp_path)
+    assert p.returncode == 1 and "task_source_sha256" in p.stderr, p.stderr
+
+
+def test_poisoned_weights_recommitted_are_rejected(trained, tmp_path):
+    """The trainer nudges one weight in its checkpoint after step 4 and recommits everything (checkpoint
+    header, manifest, leaves, root) so that the run is self-consistent: the replay of interval 0 ends
+    elsewhere."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from veritrain import store
+    from veritrain.commitments import canonical_json, state_hash
+    from veritrain.checkpoint import read_checkpoint
+
+    d, script, run = trained
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    ck = str(bad / "checkpoints" / "step_00000004.safetensors")
+    tensors, meta, step, _ = read_checkpoint(ck)
+    name = next(k for k in sorted(tensors) if tensors[k].is_floating_point() and tensors[k].numel() > 1)
+    tensors = dict(load_file(ck))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1e-3
+    digest = state_hash(tensors, meta, step)
+    save_file(tensors, ck, metadata={"veritrain": canonical_json({"step": step, "meta": meta,
+                                                                   "state_sha256": digest}).decode()})
+    m = store.load_manifest(str(bad))
+    for c in m["checkpoints"]:
+        if c["step"] == 4:
+            c["state_sha256"], c["file_sha256"] = digest, store.file_sha256(ck)
+    store.save_manifest(str(bad), m)
+    recommit(bad)
+    r, _ = audit(d, bad)
+    assert not r["accepted"] and r["intervals"][0]["match"] is False, r
+    assert any("checkpoint after step 4" in reason for reason in r["reasons"]), r["reasons"]
+
+
+def test_a_killed_loop_resumes_to_the_same_root(trained, tmp_path):
+    d, script, run = trained
+    p = python(script, tmp_path / "run", env={"CRASH_AT": "6"}, cwd=d)
+    assert p.returncode != 0 and "crashed on purpose" in p.stderr
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert not m["complete"] and m["steps_completed"] == 4
+    p = python(script, tmp_path / "run", cwd=d)
+    assert p.returncode == 0 and "resuming" in p.stderr, p.stderr
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["root"] == \
+        json.loads((run / "manifest.json").read_text())["root"]
+
+
+BROKEN = '''
+import sys, torch
+import veritrain
+from torch.utils.data import DataLoader, Dataset
+
+class Noisy(Dataset):  # augmentation from torch's global RNG: hidden state
+    def __len__(self): return 16
+    def __getitem__(self, i): return torch.full((3,), float(i)) + torch.rand(3)
+
+model = torch.nn.Linear(3, 1); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run = veritrain.Run(sys.argv[1], model, optimizer, checkpoint_every=2)
+data = DataLoader(Noisy(), batch_size=4, shuffle=False) if sys.argv[2] == "noisy" else (lambda step: torch.ones(4, 3))
+for step, batch in run.steps(data, 4):
+    if sys.argv[2] == "outside":
+        model(batch).sum().backward(); optimizer.step(); optimizer.zero_grad()
+        continue
+    with run.step(batch):
+        model(batch).sum().backward(); optimizer.step(); optimizer.zero_grad()
+'''
+
+
+@pytest.mark.parametrize("case,message", [("noisy", "hidden state"), ("outside", "with run.step(batch)")])
+def test_a_broken_loop_is_refused_at_train_time(tmp_path, case, message):
+    script = tmp_path / "broken.py"
+    script.write_text(BROKEN)
+    p = python(script, tmp_path / "run", case, cwd=tmp_path)
+    assert p.returncode != 0 and message in p.stderr, p.stderr
+    assert not json.loads((tmp_path / "run" / "manifest.json").read_text())["complete"]

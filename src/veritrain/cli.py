@@ -10,15 +10,18 @@ import argparse
 import json
 import math
 import os
+import shlex
+import signal
 import sys
 import tempfile
 
-from . import hardware
+from . import __version__, hardware
 
 
 def _variant_arg(p):
-    p.add_argument("--variant", choices=sorted(hardware.VARIANTS),
-                   help="run this command as if on other hardware (re-runs it in a child process)")
+    p.add_argument("--variant", choices=sorted(hardware.VARIANTS), metavar="NAME",
+                   help="run this command as if on other hardware (re-runs it in a child process; "
+                        "`veritrain variants` lists them)")
 
 
 def _device_arg(p):
@@ -43,28 +46,48 @@ def _policy(args):
                                root=getattr(args, "root", None))
 
 
+# the commands `veritrain --help` lists; the internal ones (_replay, _compare) are left out of it
+PUBLIC_COMMANDS = ("train", "audit", "contract", "demo", "variants", "eval", "experiment", "report", "verify",
+                   "inspect", "serve", "dispute", "calibrate")
+MODES = ["verified", "nolog", "fp64", "fp32"]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="veritrain", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    # nothing heavy is imported here: `veritrain --help` must not wait for torch
+    parser = argparse.ArgumentParser(
+        prog="veritrain", description="Verifiable training across hardware: train a run, audit it bit for bit on "
+                                      "other hardware, settle a dispute.",
+        epilog="exit codes: 0 accepted / done, 1 rejected, 2 bad input or usage, 130 interrupted. "
+               "`veritrain COMMAND --help` describes a command.")
+    parser.add_argument("--version", action="version", version=f"veritrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(PUBLIC_COMMANDS) + "}")
 
     t = sub.add_parser("train", help="train a task, writing checkpoints, rounding logs and a manifest")
     t.add_argument("task", help="built-in task (digits-cnn, gpt2-text, resnet-cifar10, gpt2-shakespeare) or module:function")
     t.add_argument("--out", required=True, help="new run directory")
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--checkpoint-every", type=int, default=10)
+    t.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    t.add_argument("--checkpoint-every", type=int, default=10,
+                   help="steps per checkpoint interval, the unit an audit replays (default 10)")
     t.add_argument("--bits", type=int, default=32, help="rounding amount b in 23..32 (32 = float32)")
     t.add_argument("--seed", type=int, default=0, help="run seed for in-step randomness (dropout, ...)")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="task config override")
-    t.add_argument("--mode", default="verified", choices=["verified", "nolog", "fp64", "fp32"])
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="task config override (repeatable)")
+    t.add_argument("--mode", default="verified", choices=MODES,
+                   help="verified (default: float64 per op, rounded, logged), nolog, fp64 or fp32")
     t.add_argument("--thresholds", help="JSON file of per-class threshold constants")
     t.add_argument("--resume", action="store_true",
                    help="continue the killed run in --out from its last complete checkpoint")
-    t.add_argument("--quiet", action="store_true")
+    t.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    t.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     _device_arg(t)
     _variant_arg(t)
 
-    a = sub.add_parser("audit", help="replay a run's intervals and check each against the committed root")
-    a.add_argument("run_dir")
+    a = sub.add_parser("audit", help="replay a run's intervals and check each against the committed root",
+                       usage="veritrain audit RUN_DIR [options] [-- COMMAND ...]",
+                       epilog="A run of your own loop (veritrain.Run) is audited by running its script: give the "
+                              "command after `--`, e.g. `veritrain audit runs/a -- python train.py`. It runs with "
+                              "VERITRAIN_AUDIT set and replays the run with the script's own code and settings.")
+    a.add_argument("run_dir", help="the trainer's run directory")
     a.add_argument("--out", help="save the audit here (audit.json, kept after each interval); an existing "
                                  "audit of the same run continues where it stopped")
     a.add_argument("--intervals", help="replay only these intervals (0-based), e.g. 3,5-7")
@@ -74,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "know which intervals go unchecked)")
     a.add_argument("--root", help="the root the trainer gave you (default: the one in the run's manifest)")
     a.add_argument("--json", action="store_true", help="print the result as JSON")
-    a.add_argument("--quiet", action="store_true")
+    a.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     _policy_args(a)
     _device_arg(a)
     _variant_arg(a)
@@ -82,12 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("contract", help="write the client's contract: the settings an auditor will accept")
     k.add_argument("task", help="built-in task or module:function (its source is hashed into the contract)")
     k.add_argument("--out", required=True, help="new contract file (JSON)")
-    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="task config override")
-    k.add_argument("--steps", type=int)
-    k.add_argument("--checkpoint-every", type=int)
-    k.add_argument("--seed", type=int)
-    k.add_argument("--bits", type=int)
-    k.add_argument("--mode", choices=["verified", "nolog", "fp64", "fp32"])
+    k.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="task config override (repeatable)")
+    k.add_argument("--steps", type=int, help="pin the number of training steps")
+    k.add_argument("--checkpoint-every", type=int, help="pin the steps per checkpoint interval")
+    k.add_argument("--seed", type=int, help="pin the run seed")
+    k.add_argument("--bits", type=int, help="pin the rounding amount")
+    k.add_argument("--mode", choices=MODES, help="pin the training mode")
     k.add_argument("--thresholds", help="JSON file of per-class threshold ceilings (default: the built-in ones)")
     k.add_argument("--slack", type=float, help="the auditor's slack (default 2)")
     k.add_argument("--initial-state", help="pin the initial state's hash (fine-tuning from given weights)")
@@ -95,44 +119,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="train the digits CNN, audit it on emulated other hardware, print the verdict")
     d.add_argument("--out", help="folder for the demo's runs (default: a new temporary folder)")
-    d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--variant", default="combo", choices=sorted(hardware.VARIANTS),
-                   help="the auditor's hardware variant")
+    d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    d.add_argument("--variant", default="combo", choices=sorted(hardware.VARIANTS), metavar="NAME",
+                   help="the auditor's hardware variant (default combo; `veritrain variants` lists them)")
 
     sub.add_parser("variants", help="list the emulated hardware variants")
 
     e = sub.add_parser("eval", help="the task's held-out metric (accuracy / perplexity) for a run's checkpoint")
-    e.add_argument("run_dir")
+    e.add_argument("run_dir", help="the run directory")
     e.add_argument("--step", type=int, help="the checkpoint after this many steps (default: the last)")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
     _policy_args(e)
     _device_arg(e)
 
     x = sub.add_parser("experiment", help="run one of the paper's experiments (table CSV + Markdown, plot PNG)")
-    from .experiments import add_arguments
+    from .experiments import add_arguments  # experiments/__init__ imports nothing heavy (tests/test_cli_ux.py)
 
     add_arguments(x)
     rp = sub.add_parser("report", help="assemble the experiments in DIR into DIR/report.md")
-    rp.add_argument("dir")
+    rp.add_argument("dir", help="the folder given to `veritrain experiment --out`")
 
-    rpl = sub.add_parser("_replay")  # internal: continuous replay for the divergence experiment
+    rpl = sub.add_parser("_replay")  # internal (no help: hidden): continuous replay for the divergence experiment
     rpl.add_argument("run_dir")
     rpl.add_argument("--out", required=True)
     _device_arg(rpl)
     _variant_arg(rpl)
 
     v = sub.add_parser("verify", help="check every file of a run against its manifest and root (no replay)")
-    v.add_argument("run_dir")
+    v.add_argument("run_dir", help="the run directory")
     v.add_argument("--root", help="also require this root")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="print the result as JSON")
     _policy_args(v)
 
     i = sub.add_parser("inspect", help="summarise a run or an audit: steps, root, log sizes, entries")
-    i.add_argument("run_dir")
+    i.add_argument("run_dir", help="a run directory or an audit directory")
     i.add_argument("--json", action="store_true", help="print the stable JSON object of docs/FORMAT.md")
 
     sv = sub.add_parser("serve", help="answer the verification game's queries about a run over HTTP")
-    sv.add_argument("run_dir")
+    sv.add_argument("run_dir", help="the run directory to answer for")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=int, default=8337, help="port (0: any free port)")
     _device_arg(sv)
@@ -143,23 +167,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--root", help="the root the trainer gave you (default: the audited root)")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds the prover may take for one whole answer "
                                                                  "(connecting, headers and body together)")
-    g.add_argument("--json", action="store_true")
+    g.add_argument("--json", action="store_true", help="print the verdict as JSON")
     _policy_args(g)
     _device_arg(g)
+    _variant_arg(g)
 
     c = sub.add_parser("calibrate", help="measure float64 differences across hardware variants; write thresholds")
-    c.add_argument("task")
+    c.add_argument("task", help="built-in task or module:function")
     c.add_argument("--variants", default=hardware.CALIBRATION_VARIANTS,
                    help="comma-separated hardware variants to compare against this machine")
-    c.add_argument("--steps", type=int, default=3)
-    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--bits", type=int, default=32)
+    c.add_argument("--steps", type=int, default=3, help="training steps of the calibration run (default 3)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="task config override (repeatable)")
+    c.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
+    c.add_argument("--bits", type=int, default=32, help="rounding amount b in 23..32 (default 32)")
     c.add_argument("--out", required=True, help="new folder for the calibration run and its report")
-    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     _device_arg(c)
 
-    cmp_ = sub.add_parser("_compare")  # internal: one variant's replay for calibrate
+    cmp_ = sub.add_parser("_compare")  # internal (no help: hidden): one variant's replay for calibrate
     cmp_.add_argument("run_dir")
     cmp_.add_argument("probe_dir")
     cmp_.add_argument("--out", required=True)
@@ -170,9 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    # `veritrain audit RUN [options] -- python train.py ...`: the command after `--` replays an own loop
+    own, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = build_parser()
+    args = parser.parse_args(own)
+    args.command_line = command
+    if command and args.command != "audit":
+        parser.error(f"only `audit` takes a command after `--` (got {args.command})")
     variant = getattr(args, "variant", None)
-    if args.command in ("train", "audit", "_compare", "_replay") and variant and os.environ.get(hardware.APPLIED) != variant:
+    if (args.command in ("train", "audit", "dispute", "_compare", "_replay") and variant
+            and os.environ.get(hardware.APPLIED) != variant):
         return hardware.run_in_variant(variant, argv)
     try:
         import torch  # noqa: F401
@@ -182,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             args.device = str(hardware.parse_device(args.device))
         return _dispatch(args)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        # a second Ctrl-C (or the --variant parent passing one on) must not turn this into a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(_interrupted(args), file=sys.stderr)
         return 130
     except Exception as e:  # bad input of any kind: name it, exit 2
         from .checkpoint import CheckpointError
@@ -203,6 +238,38 @@ def main(argv: list[str] | None = None) -> int:
             print(f"veritrain: error: {e}", file=sys.stderr)
             return 2
         raise
+
+
+def _interrupted(args) -> str:
+    """The line for Ctrl-C: for a run with a manifest that is not complete, the command that resumes it."""
+    if args.command != "train":
+        return "interrupted"
+    try:
+        with open(os.path.join(args.out, "manifest.json")) as f:
+            complete = json.load(f).get("complete")
+    except (OSError, ValueError, AttributeError):  # stopped before the run existed: nothing to resume
+        return "interrupted; nothing to resume (run the same command again)"
+    if complete:
+        return "interrupted"
+    cmd = ["veritrain", "train", args.task, "--out", args.out, "--resume"]
+    if args.device not in (None, "cpu"):
+        cmd += ["--device", args.device]
+    if args.variant:
+        cmd += ["--variant", args.variant]
+    return f"interrupted; resume with: {shlex.join(cmd)}"
+
+
+def _config(task: str, pairs: list[str]) -> dict:
+    """--set overrides, checked against the task's declared defaults before anything is written: a
+    misspelt key must not train a run with the default silently in its place."""
+    from .task import TaskError, default_config, parse_overrides
+
+    overrides = parse_overrides(pairs, {})
+    known = default_config(task)
+    unknown = sorted(set(overrides) - set(known))
+    if known and unknown:  # a task that declares no defaults takes any key
+        raise TaskError(f"{task}: unknown config keys {unknown}; known: {', '.join(sorted(known))}")
+    return overrides
 
 
 def _dispatch(args) -> int:
@@ -261,10 +328,10 @@ def _dispatch(args) -> int:
 
 def _contract(args) -> int:
     from .policy import Policy, write_contract
-    from .task import default_config, parse_overrides, source_hash
+    from .task import default_config, source_hash
 
     thresholds = _read_thresholds(args.thresholds) if args.thresholds else {}
-    overrides = parse_overrides(args.set, {})
+    overrides = _config(args.task, args.set)
     defaults = default_config(args.task)
     policy = Policy(task=args.task, task_source_sha256=source_hash(args.task), config={**defaults, **overrides},
                     seed=args.seed, steps=args.steps, checkpoint_every=args.checkpoint_every, bits=args.bits,
@@ -287,40 +354,24 @@ def _read_thresholds(path):
 
 
 def _verify(args) -> int:
-    from .policy import PolicyError
-    from .store import RunRejected, load_manifest, verify
+    from .api import verify
 
-    from .runner import unverified_fields
-
-    policy = _policy(args)
-    refused, unverified = None, {}
-    try:  # the run's settings against the auditor's policy (nothing is imported or built here)
-        m = load_manifest(args.run_dir)
-        unverified = unverified_fields(m)
-        policy.admit(m, build=False)
-    except PolicyError as e:
-        refused = str(e)
-    except RunRejected:  # a damaged manifest is reported by verify() below; a missing one is unusable input
-        pass
-    r = verify(args.run_dir, args.root or policy.root)
-    r["unverified"] = unverified  # fields no commitment covers: the trainer's claims
-    if refused:
-        r["problems"].insert(0, {"file": "manifest.json", "problem": f"refused by the auditor's policy: {refused}"})
-        r["ok"] = False
+    r = verify(args.run_dir, root=args.root, task=getattr(args, "policy_task", None), contract=args.contract)
     if args.json:
-        print(json.dumps(r, indent=1, sort_keys=True))
+        print(json.dumps(r.as_dict(), indent=1, sort_keys=True))
     else:
-        print(f"{args.run_dir}: {r['steps']} steps, {r['intervals']} intervals, root {r['root']}")
-        for p in r["problems"]:
+        print(f"{args.run_dir}: {r.steps} steps{'' if r.complete else ' (INCOMPLETE)'}, {r.intervals} "
+              f"intervals, root {r.root}")
+        for p in r.problems:
             print(f"  {p['file']}: {p['problem']}")
-        if unverified:
-            print(f"  not covered by the root (the trainer's unverified claims): {', '.join(sorted(unverified))}")
-        print("consistent" if r["ok"] else f"NOT consistent: {len(r['problems'])} problem(s)")
-    return 0 if r["ok"] else 1
+        if r.unverified:
+            print(f"  not covered by the root (the trainer's unverified claims): {', '.join(sorted(r.unverified))}")
+        print("consistent" if r.ok else f"NOT consistent: {len(r.problems)} problem(s)")
+    return 0 if r.ok else 1
 
 
 def _inspect(args) -> int:
-    from .inspect import inspect_dir
+    from .summary import inspect_dir
 
     r = inspect_dir(args.run_dir)
     if args.json:
@@ -333,7 +384,8 @@ def _inspect(args) -> int:
               f"suspicious entries {r['suspicious']}")
         return 0
     print(f"run {args.run_dir}: task {r['task']}, mode {r['mode']}, b={r['bits']}, {r['steps']} steps, "
-          f"{r['intervals']} intervals, {'complete' if r['complete'] else 'INCOMPLETE'}")
+          f"{r['intervals']} intervals, "
+          f"{'complete' if r['complete'] else 'INCOMPLETE (%s of %s steps)' % (r['steps'], r['steps_planned'])}")
     print(f"  root {r['root']}")
     print(f"  final state {r['final_state_hash']}")
     if r["log_bytes_total"] is not None:
@@ -386,6 +438,7 @@ def _dispute(args) -> int:
         verdict = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None, "module": None,
                    "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
     if args.json:
+        verdict["hardware"] = hardware.describe()  # the challenger's machine (--variant), as audit reports it
         print(json.dumps(verdict, indent=1, sort_keys=True))
     else:
         print(f"verdict: {verdict['verdict']}")
@@ -403,14 +456,14 @@ def _dispute(args) -> int:
 def _calibrate(args) -> int:
     from .calibrate import calibrate
     from .runner import _check_new_run_dir
-    from .task import parse_overrides
 
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
         if v not in hardware.VARIANTS:
             raise ValueError(f"unknown variant {v!r}; known: {', '.join(hardware.VARIANTS)}")
+    config = _config(args.task, args.set)
     _check_new_run_dir(args.out)
-    r = calibrate(args.task, parse_overrides(args.set, {}), args.steps, variants, args.out, seed=args.seed,
+    r = calibrate(args.task, config, args.steps, variants, args.out, seed=args.seed,
                   bits=args.bits, progress=not args.quiet, device=args.device)
     print(f"{'class':14s} {'max ratio':>10s} {'default c':>10s} {'margin':>8s} {'recommended':>12s}")
     for cls, v in r["per_class"].items():
@@ -444,19 +497,30 @@ def _compare(args) -> int:
 
 def _train(args) -> int:
     from .runner import TrainOptions, train
-    from .task import parse_overrides
+    from .task import BUILTIN_TASKS
 
     thresholds = _read_thresholds(args.thresholds) if args.thresholds else None
+    config = _config(args.task, args.set)
     m = train(TrainOptions(task=args.task, out=args.out, steps=args.steps, checkpoint_every=args.checkpoint_every,
-                           bits=args.bits, seed=args.seed, config=parse_overrides(args.set, {}), mode=args.mode,
+                           bits=args.bits, seed=args.seed, config=config, mode=args.mode,
                            thresholds=thresholds, progress=not args.quiet, resume=args.resume, device=args.device))
     last = m["checkpoints"][-1]
-    print(f"trained {m['task']} for {m['steps_completed']} steps (mode {m['mode']}, b={m['bits']}) -> {args.out}")
+    # the default policy audits built-in tasks only: the auditor names a task of one's own itself
+    audit_cmd = ["veritrain", "audit", args.out] + (["--task", m["task"]] if m["task"] not in BUILTIN_TASKS else [])
+    if args.json:
+        print(json.dumps({"run": os.path.abspath(args.out), "task": m["task"], "steps": m["steps_completed"],
+                          "mode": m["mode"], "bits": m["bits"], "root": m["root"],
+                          "final_state_hash": last["state_sha256"], "evaluation": m.get("evaluation"),
+                          "next": shlex.join(audit_cmd)}, indent=1, sort_keys=True))
+        return 0
+    print(f"trained {m['task']} for {m['steps_completed']} steps (mode {m['mode']}, b={m['bits']})")
+    print(f"run folder: {args.out}")
     print(f"final state hash (step {last['step']}): {last['state_sha256']}")
     print(f"root (the trainer's commitment to the run): {m['root']}")
     if m.get("evaluation"):
         print("held-out: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in m["evaluation"].items()))
+    print(f"next: {shlex.join(audit_cmd)}")
     return 0
 
 
@@ -465,8 +529,15 @@ def _audit(args) -> int:
 
     if args.intervals and args.sample:
         raise ValueError("use either --intervals or --sample, not both")
-    r = audit(args.run_dir, args.out, progress=not args.quiet, intervals=args.intervals, sample=args.sample,
-              sample_seed=args.seed, root=args.root, policy=_policy(args), device=args.device)
+    command = args.command_line
+    if command:
+        from .loop import audit_script
+
+        r = audit_script(args.run_dir, command, out=args.out, intervals=args.intervals, sample=args.sample,
+                         sample_seed=args.seed, root=args.root, contract=args.contract, quiet=args.quiet)
+    else:
+        r = audit(args.run_dir, args.out, progress=not args.quiet, intervals=args.intervals, sample=args.sample,
+                  sample_seed=args.seed, root=args.root, policy=_policy(args), device=args.device)
     if args.json:
         print(json.dumps(r.as_dict(), indent=1, sort_keys=True))
     else:

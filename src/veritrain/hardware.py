@@ -9,6 +9,7 @@ Variants are applied by re-running the command in a child process (``--variant N
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -57,7 +58,23 @@ def run_in_variant(name: str, argv: list[str]) -> int:
     # -P (Python >= 3.11): the working directory is not put on sys.path, so a folder the auditor happens
     # to run in cannot shadow a module
     safe = ["-P"] if sys.version_info >= (3, 11) else []
-    return subprocess.call([sys.executable, *safe, "-m", "veritrain.cli", *argv], env=env)
+    child = subprocess.Popen([sys.executable, *safe, "-m", "veritrain.cli", *argv], env=env)
+    while True:  # the child's exit code is ours, Ctrl-C included (130, with the child's own message)
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            _pass_on_interrupt(child)
+
+
+def _pass_on_interrupt(child: subprocess.Popen):
+    """Ctrl-C in a terminal reaches the child too (one process group); a SIGINT sent to this process
+    alone is passed on once the child has had a moment to act on its own. No traceback here, and the
+    child is never killed: it stops cleanly and says how to resume."""
+    try:
+        child.wait(timeout=1.0)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
 
 
 def configure_allocator() -> bool:

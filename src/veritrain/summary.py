@@ -66,7 +66,7 @@ def inspect_run(run_dir: str) -> dict:
     return {
         "format": INSPECT_FORMAT, "kind": "run", "run": os.path.abspath(run_dir), "task": m["task"],
         "mode": m["mode"], "bits": m["bits"], "seed": m["seed"], "complete": bool(m.get("complete")),
-        "root": m.get("root"), "steps": steps,
+        "root": m.get("root"), "steps": steps, "steps_planned": m.get("steps"),
         "intervals": len(store.intervals(steps, m["checkpoint_every"])), "checkpoint_every": m["checkpoint_every"],
         "final_state_hash": final,
         "log_bytes_total": log_total if verified else None,

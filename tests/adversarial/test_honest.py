@@ -38,7 +38,9 @@ def runs(tmp_path_factory, shakespeare):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet-cifar10", "gpt2-shakespeare", "gpt2-shakespeare-pretrained"])
 def test_honest_runs_are_accepted_under_every_variant(runs, name):
-    for v in VARIANTS:
+    # the GPT-2 runs under the variants that change the most at once (every CPU knob together, and the
+    # emulated accelerator); each knob alone is replayed at length in tests/test_cross_hardware.py
+    for v in VARIANTS if name == "resnet-cifar10" else ["isa-default", "combo", "reorder"]:
         r = audit_json(runs[name], v)
         assert r["accepted"], f"{name} under {v}: {r['reasons']}"
         assert r["suspicious"] == 0 and all(c["match"] for c in r["checkpoints"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -242,6 +243,11 @@ def _part_of(x, tree) -> bool:
     if isinstance(tree, (list, tuple)):
         return any(_part_of(x, v) for v in tree)
     return False
+
+
+# Run(...) dispatches in __new__: show __init__'s parameters to help() and inspect.signature
+_init_signature = inspect.signature(Run.__init__)
+Run.__signature__ = _init_signature.replace(parameters=list(_init_signature.parameters.values())[1:])
 
 
 @dataclass

@@ -111,19 +111,17 @@ def test_an_edited_script_is_refused(trained, tmp_path):
     assert p.returncode == 1 and "task_source_sha256" in p.stderr, p.stderr
 
 
-def test_poisoned_weights_recommitted_are_rejected(trained, tmp_path):
+def poisoned_copy(run, tmp_path):
     """The trainer nudges one weight in its checkpoint after step 4 and recommits everything (checkpoint
-    header, manifest, leaves, root) so that the run is self-consistent: the replay of interval 0 ends
-    elsewhere."""
+    header, manifest, leaves, root) so that the run is self-consistent."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from veritrain import store
-    from veritrain.commitments import canonical_json, state_hash
     from veritrain.checkpoint import read_checkpoint
+    from veritrain.commitments import canonical_json, state_hash
 
-    d, script, run = trained
     bad = tmp_path / "run"
     shutil.copytree(run, bad)
     ck = str(bad / "checkpoints" / "step_00000004.safetensors")
@@ -141,7 +139,13 @@ def test_poisoned_weights_recommitted_are_rejected(trained, tmp_path):
             c["state_sha256"], c["file_sha256"] = digest, store.file_sha256(ck)
     store.save_manifest(str(bad), m)
     recommit(bad)
-    r, _ = audit(d, bad)
+    return bad
+
+
+def test_poisoned_weights_recommitted_are_rejected(trained, tmp_path):
+    """The replay of interval 0 ends elsewhere than the poisoned checkpoint."""
+    d, script, run = trained
+    r, _ = audit(d, poisoned_copy(run, tmp_path))
     assert not r["accepted"] and r["intervals"][0]["match"] is False, r
     assert any("checkpoint after step 4" in reason for reason in r["reasons"]), r["reasons"]
 
@@ -186,3 +190,14 @@ def test_a_broken_loop_is_refused_at_train_time(tmp_path, case, message):
     p = python(script, tmp_path / "run", case, cwd=tmp_path)
     assert p.returncode != 0 and message in p.stderr, p.stderr
     assert not json.loads((tmp_path / "run" / "manifest.json").read_text())["complete"]
+
+
+def test_the_game_says_it_does_not_replay_own_loops(trained, tmp_path):
+    """No module named after the script is ever imported: the run is named as an own loop's."""
+    d, script, run = trained
+    bad = poisoned_copy(run, tmp_path)
+    p = cli("audit", bad, "--out", tmp_path / "audit", "--quiet", "--intervals", "0", "--", sys.executable,
+            d / "train.py", bad, cwd=d)
+    assert p.returncode == 1, p.stderr
+    p = cli("dispute", bad, tmp_path / "audit", "--task", "loop:train.py", cwd=d)
+    assert p.returncode == 2 and "does not replay own loops" in p.stderr, p.stderr

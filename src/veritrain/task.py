@@ -136,6 +136,10 @@ def register(task) -> str:
 def load_function(ref: str) -> Callable:
     if ref in _REGISTERED:
         return _REGISTERED[ref]
+    if ref.startswith("loop:"):
+        raise TaskError(f"{ref} is a run of an own loop (veritrain.Run): it is replayed by running its script, "
+                        f"`veritrain audit RUN -- python {ref[5:]} ...`; the verification game does not replay "
+                        f"own loops yet")
     if ref.startswith("python:"):
         raise TaskError(f"task {ref!r} was handed to veritrain's Python API in another process; pass the same "
                         f"function or Task to this one")

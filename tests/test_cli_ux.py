@@ -156,13 +156,19 @@ def test_a_task_module_that_cannot_be_imported_gets_a_pythonpath_hint(tmp_path):
 
 
 def _train_until_checkpoint(out, *extra):
-    """A long `veritrain train` in its own session, once it has written the checkpoint after 2 steps
-    (compiling is done by then)."""
+    """A long `veritrain train` in its own session, once its manifest commits to the checkpoint after 2
+    steps (compiling is done by then)."""
     proc = subprocess.Popen(PY + ["train", "digits-cnn", "--out", str(out), "--steps", "100000", "--checkpoint-every",
                                   "1", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             start_new_session=True)
     t0 = time.time()
-    while not (out / "checkpoints" / "step_00000002.safetensors").exists():
+    def committed():  # the manifest (written atomically after the checkpoint) names the checkpoint after 2 steps
+        try:
+            return json.loads((out / "manifest.json").read_text())["steps_completed"] >= 2
+        except (OSError, ValueError, KeyError):
+            return False
+
+    while not committed():
         assert proc.poll() is None, proc.communicate()
         assert time.time() - t0 < 600, "no checkpoint after 10 minutes"
         time.sleep(0.1)

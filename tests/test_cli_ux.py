@@ -22,6 +22,12 @@ from veritrain.cli import PUBLIC_COMMANDS, build_parser
 PY = [sys.executable, "-m", "veritrain.cli"]
 
 
+def _sigint_default():
+    """In the child before exec: a shell's background job (`cmd &` without job control, as CI may run us)
+    ignores SIGINT, and Python keeps an ignored SIGINT ignored; these tests need it delivered."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env():
     e = dict(os.environ)
     e.pop("VERITRAIN_VARIANT_APPLIED", None)
@@ -160,7 +166,7 @@ def _train_until_checkpoint(out, *extra):
     steps (compiling is done by then)."""
     proc = subprocess.Popen(PY + ["train", "digits-cnn", "--out", str(out), "--steps", "100000", "--checkpoint-every",
                                   "1", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_default)
     t0 = time.time()
     def committed():  # the manifest (written atomically after the checkpoint) names the checkpoint after 2 steps
         try:
@@ -177,7 +183,12 @@ def _train_until_checkpoint(out, *extra):
 
 def _interrupted(proc, group=False):
     (os.killpg if group else os.kill)(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # never leave a 100000-step training behind
+        proc.communicate()
+        raise AssertionError("the interrupted command did not exit within 120 s")
     assert proc.returncode == 130, (proc.returncode, err)
     assert "Traceback" not in err, err
     return err.strip().splitlines()[-1]
@@ -198,7 +209,7 @@ def test_ctrl_c_prints_the_resume_command_and_verify_and_inspect_agree_on_the_in
     assert i["steps_planned"] == v["steps_planned"] == 100000
     # the printed command resumes the run (and can itself be interrupted)
     resume = subprocess.Popen(_command(last.split(": ", 1)[1]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=_env(), start_new_session=True)
+                              text=True, env=_env(), start_new_session=True, preexec_fn=_sigint_default)
     t0 = time.time()
     while json.loads((run / "manifest.json").read_text())["steps_completed"] <= m["steps_completed"]:
         assert resume.poll() is None, resume.communicate()

@@ -416,27 +416,10 @@ def _serve(args) -> int:
 
 
 def _dispute(args) -> int:
-    from .protocol import Challenger, LocalProver, _Lost
-    from .server import HttpProver
-    from .store import RunError
+    from .api import dispute
 
-    p = os.path.join(args.audit_dir, "audit.json")
-    try:
-        with open(p) as f:
-            audit_state = json.load(f)
-    except FileNotFoundError:
-        raise RunError(f"{args.audit_dir} has no audit.json: run `veritrain audit RUN --out {args.audit_dir}` first") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise RunError(f"{p} is unreadable ({e})") from None
-    if args.prover.startswith(("http://", "https://")):
-        prover = HttpProver(args.prover, timeout=args.timeout)
-    else:
-        prover = LocalProver(args.prover, device=args.device)
-    try:
-        verdict = Challenger(prover, audit_state, args.root, policy=_policy(args), device=args.device).play()
-    except _Lost as e:
-        verdict = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None, "module": None,
-                   "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
+    verdict = dispute(args.prover, args.audit_dir, root=args.root, task=getattr(args, "policy_task", None),
+                      contract=args.contract, device=args.device, timeout=args.timeout).as_dict()
     if args.json:
         verdict["hardware"] = hardware.describe()  # the challenger's machine (--variant), as audit reports it
         print(json.dumps(verdict, indent=1, sort_keys=True))

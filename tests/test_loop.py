@@ -31,6 +31,9 @@ run = veritrain.Run(sys.argv[1], model, optimizer, seed=0, checkpoint_every=4, i
 for step, (batch,) in run.steps(loader, 10):                     # two epochs
     if step == int(os.environ.get("CRASH_AT", "-1")):
         raise SystemExit("crashed on purpose")
+    if step == int(os.environ.get("POISON_AT", "-1")):    # a dishonest trainer, outside the engine
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight.view(-1)[0] += 0.01
     with run.step(batch) as s:
         logits = model(batch[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, 64).double(), batch[:, 1:].reshape(-1))
@@ -192,12 +195,98 @@ def test_a_broken_loop_is_refused_at_train_time(tmp_path, case, message):
     assert not json.loads((tmp_path / "run" / "manifest.json").read_text())["complete"]
 
 
-def test_the_game_says_it_does_not_replay_own_loops(trained, tmp_path):
-    """No module named after the script is ever imported: the run is named as an own loop's."""
+def test_the_game_replays_the_script_and_blames_a_recommitted_checkpoint(trained, tmp_path):
+    """The dispute runs the auditor's script too (`veritrain dispute RUN AUDIT -- python train.py`); the run
+    folder answers as the prover, whose honest replay of the trainer's files does not end in its leaf."""
     d, script, run = trained
     bad = poisoned_copy(run, tmp_path)
     p = cli("audit", bad, "--out", tmp_path / "audit", "--quiet", "--intervals", "0", "--", sys.executable,
             d / "train.py", bad, cwd=d)
     assert p.returncode == 1, p.stderr
+    p = cli("dispute", bad, tmp_path / "audit", "--json", "--", sys.executable, d / "train.py", bad, cwd=d)
+    v = json.loads(p.stdout)
+    assert p.returncode == 1 and v["verdict"] == "trainer_wrong" and v["interval"] == 0, v
+    assert "its leaf commits to" in " ".join(v["reasons"]), v
+    # without the script, the run is named as an own loop's: no module named after the script is imported
     p = cli("dispute", bad, tmp_path / "audit", "--task", "loop:train.py", cwd=d)
-    assert p.returncode == 2 and "does not replay own loops" in p.stderr, p.stderr
+    assert p.returncode == 2 and "-- python train.py" in p.stderr, p.stderr
+
+
+def test_a_wrong_audit_is_the_auditors_fault(trained, tmp_path):
+    """An audit whose leaf for interval 1 is wrong (the auditor's machine erred) against the honest run: the
+    referee must not be talked into blaming the trainer."""
+    d, script, run = trained
+    p = cli("audit", run, "--out", tmp_path / "audit", "--quiet", "--", sys.executable, d / "train.py", run, cwd=d)
+    assert p.returncode == 0, p.stderr
+    state = json.loads((tmp_path / "audit" / "audit.json").read_text())
+    state["leaves"]["1"] = "00" * 32
+    (tmp_path / "audit" / "audit.json").write_text(json.dumps(state))
+    p = cli("dispute", run, tmp_path / "audit", "--json", "--", sys.executable, d / "train.py", run, cwd=d)
+    v = json.loads(p.stdout)
+    assert v["verdict"] == "auditor_wrong" and v["interval"] == 1, v
+
+
+def test_the_game_finds_the_step_and_operator_a_trainer_tampered_with(trained, tmp_path):
+    """The trainer nudged a weight before step 5, outside the engine, and serves its run with the same tampering
+    script (`veritrain serve RUN -- python train.py`): its answers are consistent with its root. The game
+    narrows to step 5 and the first operator that reads the nudged weight; the referee rules."""
+    import subprocess
+
+    d, script, run = trained
+    bad = tmp_path / "run"
+    p = python(script, bad, env={"POISON_AT": "5"}, cwd=d)
+    assert p.returncode == 0, p.stderr
+    p = cli("audit", bad, "--out", tmp_path / "audit", "--quiet", "--", sys.executable, d / "train.py", bad, cwd=d)
+    assert p.returncode == 1, p.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERITRAIN_")}
+    server = subprocess.Popen([sys.executable, "-m", "veritrain.cli", "serve", str(bad), "--port", "0", "--",
+                               sys.executable, str(d / "train.py"), str(bad)], env={**env, "POISON_AT": "5"}, cwd=d,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              preexec_fn=_sigint_default)
+    try:
+        line = server.stdout.readline()
+        assert "http://" in line, line
+        url = line.strip().split(" on ")[-1]
+        p = cli("dispute", url, tmp_path / "audit", "--json", "--", sys.executable, d / "train.py", bad, cwd=d)
+        v = json.loads(p.stdout)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    assert p.returncode == 1 and v["verdict"] == "trainer_wrong", v
+    assert (v["interval"], v["step"], v["operator"], v["module"]) == \
+        (1, 5, "aten.addmm.default", "transformer.h.0.mlp.c_fc"), v
+    assert "c_fc.weight" in v["ruling"] and "state before the step is agreed" in v["ruling"], v
+    assert v["referee_ops"] == 1
+
+
+def _sigint_default():
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_the_games_views_of_the_one_model_keep_their_own_states():
+    """In a dispute against the run folder, the challenger's replays and the local prover's share the script's
+    one model: each must find its own state again after the other ran (loop._SharedState)."""
+    import torch
+
+    from veritrain.checkpoint import hash_state
+    from veritrain.loop import _LoopTask, _SharedState, _StepBridge
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    shared = _SharedState((model, optimizer, None))
+    initial = hash_state(model, optimizer, None, 0)
+    a = _LoopTask(shared, _StepBridge(), lambda s: torch.ones(1, 3), None)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()                                   # a moves on
+    moved = hash_state(model, optimizer, None, 0)
+    b = _LoopTask(shared, _StepBridge(), lambda s: torch.ones(1, 3), None)
+    assert hash_state(model, optimizer, None, 0) == initial      # b starts from the script's initial state
+    with torch.no_grad():
+        model.weight.add_(1.0)                         # b moves elsewhere
+    a.hold()
+    assert hash_state(model, optimizer, None, 0) == moved
+    b.hold()
+    assert hash_state(model, optimizer, None, 0) not in (initial, moved)

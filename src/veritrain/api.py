@@ -180,13 +180,21 @@ def verify(run_dir: str, *, root: str | None = None, task=None, contract: str | 
 
 
 def dispute(prover: str, audit_dir: str, *, root: str | None = None, task=None, contract: str | None = None,
-            device: str = "cpu", timeout: float = 300.0) -> DisputeResult:
+            device: str = "cpu", timeout: float = 300.0, command: list[str] | None = None) -> DisputeResult:
     """Play the verification game against ``prover`` (the trainer's run folder, or the http:// address of
-    ``veritrain serve``) from the audit saved in ``audit_dir`` (``audit(..., out=audit_dir)``)."""
+    ``veritrain serve``) from the audit saved in ``audit_dir`` (``audit(..., out=audit_dir)``). For a run of
+    an own loop, ``command`` is its script, as for ``audit``."""
     from .protocol import Challenger, LocalProver, _Lost
     from .server import HttpProver
     from .store import RunError
 
+    if command is not None:
+        from .loop import dispute_script
+
+        if task is not None:
+            raise ValueError("an own loop's script names its task itself: give command or task, not both")
+        return _dispute_result(dispute_script(prover, audit_dir, list(command), root=root, contract=contract,
+                                              timeout=timeout))
     p = os.path.join(audit_dir, "audit.json")
     try:
         with open(p) as f:
@@ -204,6 +212,10 @@ def dispute(prover: str, audit_dir: str, *, root: str | None = None, task=None, 
     except _Lost as e:
         v = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None, "module": None,
              "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
+    return _dispute_result(v)
+
+
+def _dispute_result(v: dict) -> DisputeResult:
     main = {k: v.pop(k, None) for k in ("verdict", "interval", "step", "operator", "module", "queries",
                                         "referee_ops", "referee_bytes", "reasons")}
     main["reasons"] = main["reasons"] or []

@@ -155,13 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("run_dir", help="a run directory or an audit directory")
     i.add_argument("--json", action="store_true", help="print the stable JSON object of docs/FORMAT.md")
 
-    sv = sub.add_parser("serve", help="answer the verification game's queries about a run over HTTP")
+    sv = sub.add_parser("serve", help="answer the verification game's queries about a run over HTTP",
+                        usage="veritrain serve RUN_DIR [options] [-- COMMAND ...]",
+                        epilog="For a run of your own loop, give its script after `--`, e.g. `veritrain serve runs/a "
+                               "-- python train.py`: the script replays the steps the game asks about.")
     sv.add_argument("run_dir", help="the run directory to answer for")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=int, default=8337, help="port (0: any free port)")
     _device_arg(sv)
 
-    g = sub.add_parser("dispute", help="play the verification game against a run (directory or http://HOST:PORT)")
+    g = sub.add_parser("dispute", help="play the verification game against a run (directory or http://HOST:PORT)",
+                       usage="veritrain dispute PROVER AUDIT_DIR [options] [-- COMMAND ...]",
+                       epilog="For a run of your own loop, give its script after `--`, as for `audit`: e.g. "
+                              "`veritrain dispute runs/a audits/a -- python train.py`.")
     g.add_argument("prover", help="the trainer's run directory or http://HOST:PORT of `veritrain serve`")
     g.add_argument("audit_dir", help="an audit directory written by `veritrain audit --out`")
     g.add_argument("--root", help="the root the trainer gave you (default: the audited root)")
@@ -201,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(own)
     args.command_line = command
-    if command and args.command != "audit":
-        parser.error(f"only `audit` takes a command after `--` (got {args.command})")
+    if command and args.command not in ("audit", "dispute", "serve"):
+        parser.error(f"only audit, dispute and serve take a command after `--` (got {args.command})")
     variant = getattr(args, "variant", None)
     if (args.command in ("train", "audit", "dispute", "_compare", "_replay") and variant
             and os.environ.get(hardware.APPLIED) != variant):
@@ -402,7 +408,16 @@ def _serve(args) -> int:
     from .protocol import LocalProver
     from .server import make_server
 
+    if args.command_line:  # an own loop's run: its script answers
+        from .loop import serve_script
+
+        if args.device != "cpu":
+            raise ValueError("serve: an own loop's script runs on its own devices (no --device)")
+        return serve_script(args.run_dir, args.command_line, host=args.host, port=args.port)
     prover = LocalProver(args.run_dir, device=args.device)
+    if str(prover.manifest().get("task")).startswith("loop:"):
+        raise ValueError(f"{args.run_dir} is a run of an own loop: give its script after `--`, e.g. `veritrain serve "
+                         f"{args.run_dir} -- python {prover.manifest()['task'][5:]} ...`")
     server = make_server(prover, args.host, args.port)
     host, port = server.server_address[:2]
     print(f"serving {args.run_dir} (root {prover.manifest().get('root')}) on http://{host}:{port}", flush=True)
@@ -419,7 +434,8 @@ def _dispute(args) -> int:
     from .api import dispute
 
     verdict = dispute(args.prover, args.audit_dir, root=args.root, task=getattr(args, "policy_task", None),
-                      contract=args.contract, device=args.device, timeout=args.timeout).as_dict()
+                      contract=args.contract, device=args.device, timeout=args.timeout,
+                      command=args.command_line or None).as_dict()
     if args.json:
         verdict["hardware"] = hardware.describe()  # the challenger's machine (--variant), as audit reports it
         print(json.dumps(verdict, indent=1, sort_keys=True))

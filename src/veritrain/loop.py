@@ -29,9 +29,11 @@ import inspect
 import json
 import os
 import shutil
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -41,16 +43,17 @@ from . import hardware, store
 from .checkpoint import CheckpointError, hash_state, load_checkpoint, save_checkpoint
 from .commitments import batch_hash
 from .engine import EngineConfig, ReplayMismatchError, step_context
-from .logformat import LogFormatError, StepLogWriter
+from .logformat import LogFormatError, StepLogReader, StepLogWriter
 from .policy import Policy, PolicyError
 from .rounding import Grid
 from .runner import (AuditPlan, AuditResult, IntervalReplay, RunWriter, _check_new_run_dir, _init_log_reader,
                      _prepare_batch, _progress, versions)
 from .store import INIT_LOG, FORMAT, RunError, RunRejected, ckpt_name, file_sha256, log_name, record_name
-from .task import TaskError, normalize_optimizer
+from .task import Task, TaskError, normalize_optimizer, register_builder
 
 AUDIT_ENV = "VERITRAIN_AUDIT"  # the run folder to audit: the script replays it instead of training
 AUDIT_OPTIONS_ENV = "VERITRAIN_AUDIT_OPTIONS"  # JSON: intervals, sample, seed, root, contract, out, result, quiet
+GAME_ENV = "VERITRAIN_GAME"  # JSON: the script's role in the verification game (challenger or prover) and its options
 LOOP_MODES = ("verified", "nolog", "fp32")
 
 
@@ -61,6 +64,20 @@ class LoopError(RunError):
 def auditing() -> str | None:
     """The run folder this process audits (VERITRAIN_AUDIT), or None when it trains."""
     return os.environ.get(AUDIT_ENV) or None
+
+
+def gaming() -> dict | None:
+    """The verification game this process takes part in (VERITRAIN_GAME), or None."""
+    raw = os.environ.get(GAME_ENV)
+    if not raw:
+        return None
+    try:
+        opts = json.loads(raw)
+    except ValueError:
+        raise RunError(f"{GAME_ENV} is not JSON: {raw[:80]!r}") from None
+    if not isinstance(opts, dict) or opts.get("role") not in ("challenger", "prover") or not opts.get("prover"):
+        raise RunError(f"{GAME_ENV} must be a JSON object with a role (challenger or prover) and a prover")
+    return opts
 
 
 def _audit_options() -> dict:
@@ -76,7 +93,7 @@ def _audit_options() -> dict:
 
 def _refuse(reason: str):
     """Auditor: the run is refused before any replay; tell ``veritrain audit`` (if it started us) and stop."""
-    path = _audit_options().get("result")
+    path = (gaming() or _audit_options()).get("result")
     if path:
         store.write_json_atomic(path, {"refused": True, "accepted": False, "reasons": [reason]})
     raise RunRejected(reason)
@@ -107,8 +124,10 @@ def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
     rec = Initialization(seed=int(seed), bits=int(bits), mode=mode)
     engine = EngineConfig(mode=mode, bits=rec.bits, seed=rec.seed)
     writer = reader = None
-    run_dir = auditing()
-    if run_dir and mode == "verified":
+    run_dir, game = auditing(), gaming()
+    if game and mode == "verified":
+        reader = _game_init_log(game, rec.bits)
+    elif run_dir and mode == "verified":
         m = store.load_manifest(run_dir)
         if m.get("init_log_sha256"):
             try:
@@ -167,7 +186,7 @@ class Run:
 
     def __new__(cls, *args, **kwargs):
         if cls is Run:
-            cls = _Replaying if auditing() else _Recording
+            cls = _Playing if gaming() else _Replaying if auditing() else _Recording
         return super().__new__(cls)
 
     def __init__(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler=None,
@@ -207,6 +226,15 @@ class Run:
 
     def engine(self, thresholds=None) -> EngineConfig:
         return EngineConfig(mode=self.mode, bits=self.bits, seed=self.seed, thresholds=dict(thresholds or {}))
+
+    def _compare_settings(self, m: dict, steps: int):
+        """The run's manifest against this script's own settings (the auditor's side runs the trainer's script)."""
+        mine = {"task": self.task, "task_source_sha256": self.source_sha256, "config": self.config, "seed": self.seed,
+                "steps": steps, "checkpoint_every": self.checkpoint_every, "bits": self.bits, "mode": self.mode}
+        for name, want in mine.items():
+            if m.get(name) != want:
+                raise PolicyError(f"the run's manifest: field {name!r} is {str(m.get(name))[:200]!r}, this script's "
+                                  f"is {str(want)[:200]!r} (run the trainer's script with its settings)")
 
     def _yielded(self, step, batch):
         self._pending, self._done = (step, batch), None
@@ -445,12 +473,7 @@ class _Replaying(Run):
             policy.task = self.task
         m = store.load_manifest(run_dir)
         run = policy.admit(m, build=False)
-        mine = {"task_source_sha256": self.source_sha256, "config": self.config, "seed": self.seed, "steps": steps,
-                "checkpoint_every": self.checkpoint_every, "bits": self.bits, "mode": self.mode}
-        for name, want in mine.items():
-            if m.get(name) != want:
-                raise PolicyError(f"the run's manifest: field {name!r} is {str(m.get(name))[:200]!r}, this script's "
-                                  f"is {str(want)[:200]!r} (audit with the trainer's script and settings)")
+        self._compare_settings(m, steps)
         if policy.config is not None and m["config"] != policy.config:
             raise PolicyError(f"the run's manifest: field 'config' differs from the policy's ({policy.source})")
         return m, run
@@ -480,6 +503,204 @@ class _Replaying(Run):
                 print(f"  - {reason}", file=sys.stderr)
 
 
+_provers: dict = {}  # the game's prover, by address: veritrain.init and Run.steps ask the same one
+
+
+def _game_prover(opts: dict):
+    """The trainer's side of the game: its run folder (LocalProver) or the address of its ``veritrain serve``."""
+    from .protocol import LocalProver
+    from .server import HttpProver
+
+    where = str(opts["prover"])
+    if where not in _provers:
+        _provers[where] = HttpProver(where, timeout=float(opts.get("timeout") or 300)) \
+            if where.startswith(("http://", "https://")) else LocalProver(where)
+    return _provers[where]
+
+
+def _game_init_log(opts: dict, bits: int):
+    """The trainer's initialisation log, for the script's construction under veritrain.init in the game,
+    checked against the hash the prover's manifest commits to (the challenger checks that manifest against
+    the audited run before anything else)."""
+    try:
+        prover = _game_prover(opts)
+        want = prover.manifest().get("init_log_sha256")
+        raw = prover.init_log() if want else None
+    except Exception as e:  # noqa: BLE001 - a prover that cannot answer: no dispute to play
+        _refuse(f"the prover did not send the run's initialisation log ({str(e)[:200]})")
+    if raw is None:
+        return None
+    if hashlib.sha256(raw).hexdigest() != want:
+        _refuse("the prover's initialisation log is not the one its manifest commits to")
+    try:
+        return StepLogReader(raw, expect_step=0, expect_bits=int(bits))
+    except LogFormatError as e:
+        _refuse(f"the prover's initialisation log is malformed ({e})")
+
+
+class _StepBridge:
+    """Hands the steps a replay of the game asks for (on the game's thread) to the script's loop (on the main
+    thread, where the user's code runs) and the outcome back. One side runs at a time."""
+
+    def __init__(self):
+        self.requests, self.replies = queue.Queue(), queue.Queue()
+
+    def run_step(self, engine, step, batch, reader, trace):  # the game's thread
+        self.requests.put(("step", (engine, step, batch, reader, trace)))
+        kind, value = self.replies.get()
+        if kind == "error":
+            raise value
+        return value
+
+    def finish(self, outcome):  # the game's thread, at its end
+        self.requests.put(("done", outcome))
+
+
+class _SharedState:
+    """The script has one model and optimizer; the game's replays (the challenger's, one per interval, and a
+    local prover's) each see it as a task of their own. The replay that runs swaps its state in."""
+
+    def __init__(self, state):
+        self.state = state
+        self._dir = tempfile.TemporaryDirectory(prefix="veritrain-game-")
+        self._count = 0
+        self.holder = None
+        self.initial = self.snapshot()  # the script's initial state (built under veritrain.init)
+
+    def snapshot(self) -> str:
+        self._count += 1
+        path = os.path.join(self._dir.name, f"state_{self._count}.safetensors")
+        save_checkpoint(path, *self.state, 0)
+        return path
+
+    def hold(self, view):
+        if self.holder is view:
+            return
+        if self.holder is not None:
+            self.holder.saved = self.snapshot()
+        load_checkpoint(view.saved, *self.state)
+        self.holder = view
+
+
+def _in_the_loop(model, optimizer, batch):
+    raise LoopError("an own loop's step runs in its script's loop, not as a task's train_step")
+
+
+class _LoopTask(Task):
+    """A replay's view of the script's model and optimizer: its steps are run by the script's own loop."""
+
+    def __init__(self, shared: _SharedState, bridge: _StepBridge, batch_of, init_stats):
+        model, optimizer, scheduler = shared.state
+        super().__init__(model=model, optimizer=optimizer, scheduler=scheduler, batch=batch_of,
+                         train_step=_in_the_loop)
+        self.shared, self.bridge, self.saved = shared, bridge, shared.initial
+        self.script_init_stats = init_stats
+        self.hold()
+
+    def hold(self):
+        self.shared.hold(self)
+
+    def replay_step(self, engine, step, batch, reader=None, trace=None):
+        return self.bridge.run_step(engine, step, batch, reader, trace)
+
+
+class _Playing(Run):
+    """The script's part in the verification game (protocol.py): as the auditor's challenger (``veritrain
+    dispute RUN AUDIT -- python train.py``) or as the trainer's prover (``veritrain serve RUN -- python
+    train.py``). The game runs unchanged on a thread of its own, its replays seeing the script's model as
+    tasks (_LoopTask); each step a replay runs is yielded by ``steps`` to the script's loop, whose body runs
+    it under the engine the replay set up (its log, its op trace)."""
+
+    def steps(self, data, num_steps: int):
+        """Yield (step, batch) for each step the game replays; after the game, ``self.result`` holds its
+        outcome (the verdict, for the challenger)."""
+        batch_of, _, _ = _as_step_data(data, self.seed)
+        opts = gaming()
+        try:
+            prover = _game_prover(opts)
+            self._compare_settings(prover.manifest(), int(num_steps))
+        except RunRejected as e:
+            _refuse(str(e))
+        except Exception as e:  # noqa: BLE001 - no manifest: there is no run to play about
+            _refuse(f"the prover did not send its manifest ({str(e)[:200]})")
+        shared, bridge = _SharedState(self.state), _StepBridge()
+        init_stats = self.init.stats if self.init is not None else None
+        register_builder(self.task, lambda config: _LoopTask(shared, bridge, batch_of, init_stats))
+        play = self._challenge if opts["role"] == "challenger" else self._serve
+        threading.Thread(target=play, args=(opts, prover, bridge), daemon=True, name="veritrain-game").start()
+        while True:
+            try:
+                kind, request = bridge.requests.get()
+            except KeyboardInterrupt:  # how a prover is stopped
+                if opts["role"] != "prover":
+                    raise
+                print("veritrain: the prover stopped (interrupted)", file=sys.stderr)
+                return
+            if kind == "done":
+                break
+            self._request = request
+            engine, step, batch, reader, trace = request
+            self._yielded(step, batch)
+            try:
+                yield step, batch
+                done = self._taken(step)
+            except BaseException as e:
+                bridge.replies.put(("error", LoopError(f"the script stopped in step {step} ({type(e).__name__})")))
+                raise
+            bridge.replies.put(("error", done["error"]) if done["error"] is not None else
+                               ("ok", (done["loss"], done["stats"])))
+        self.result = request
+        if isinstance(request, BaseException):
+            raise request
+        if opts.get("result"):
+            store.write_json_atomic(opts["result"], request)
+
+    @contextlib.contextmanager
+    def _engine_step(self, step):
+        engine, _, _, reader, trace = self._request
+        out = {"error": None}
+        try:
+            with step_context(engine, step, reader=reader, trace=trace) as st:
+                yield out
+        except (ReplayMismatchError, LogFormatError) as e:  # the replay's to judge (the trainer's log)
+            out["error"] = e
+            return
+        out["stats"] = st.stats
+
+    def _challenge(self, opts: dict, prover, bridge: _StepBridge):
+        """The game's thread, as the auditor: the Challenger with this side's policy and the saved audit."""
+        from .protocol import Challenger, _Lost
+
+        outcome = None
+        try:
+            with open(os.path.join(opts["audit_dir"], "audit.json")) as f:
+                audit = json.load(f)
+            policy = Policy.from_options(contract=opts.get("contract"), root=opts.get("root"))
+            if policy.task is None:  # the auditor runs this script: it names the task itself
+                policy.task = self.task
+            try:
+                outcome = dict(Challenger(prover, audit, opts.get("root"), policy=policy).play())
+            except _Lost as e:
+                outcome = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None,
+                           "module": None, "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            outcome = e if isinstance(e, (RunError, TaskError)) else RunError(f"the game stopped: {type(e).__name__}: {e}")
+        finally:
+            bridge.finish(outcome)
+
+    def _serve(self, opts: dict, prover, bridge: _StepBridge):
+        """The game's thread, as the trainer: answer the challenger's queries over HTTP until interrupted."""
+        from .server import make_server
+
+        try:
+            server = make_server(prover, opts.get("host") or "127.0.0.1", int(opts.get("port") or 0))
+            host, port = server.server_address[:2]
+            print(f"serving {opts['prover']} (root {prover.manifest().get('root')}) on http://{host}:{port}", flush=True)
+            server.serve_forever()
+        except BaseException as e:  # noqa: BLE001
+            bridge.finish(RunError(f"the prover stopped: {type(e).__name__}: {e}"))
+
+
 def audit_script(run_dir: str, command: list[str], *, out: str | None = None, intervals=None, sample: int | None = None,
                  sample_seed: int | None = None, root: str | None = None, contract: str | None = None,
                  quiet: bool = False) -> AuditResult:
@@ -494,16 +715,73 @@ def audit_script(run_dir: str, command: list[str], *, out: str | None = None, in
         opts = {"out": os.path.abspath(out) if out else None, "intervals": intervals, "sample": sample,
                 "seed": sample_seed, "root": root, "contract": os.path.abspath(contract) if contract else None,
                 "result": result, "quiet": quiet}
-        env = dict(os.environ, **{AUDIT_ENV: os.path.abspath(run_dir), AUDIT_OPTIONS_ENV: json.dumps(opts)})
-        try:
-            rc = subprocess.call(command, env=env, stdout=sys.stderr)  # our stdout is the verdict (--json)
-        except OSError as e:
-            raise RunError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
-        if not os.path.exists(result):
-            raise RunError(f"the audited script ({' '.join(command)}) exited with code {rc} before it finished the "
-                           f"audit (its output above says why)")
-        with open(result) as f:
-            data = json.load(f)
+        env = {AUDIT_ENV: os.path.abspath(run_dir), AUDIT_OPTIONS_ENV: json.dumps(opts)}
+        # our stdout is the verdict (--json)
+        data = _run_script(command, env, result, "audit", stdout=sys.stderr)
     if data.get("refused"):
         raise RunRejected("; ".join(data["reasons"]))
     return AuditResult(**data)
+
+
+def dispute_script(prover: str, audit_dir: str, command: list[str], *, root: str | None = None,
+                   contract: str | None = None, timeout: float = 300.0) -> dict:
+    """Play the verification game about a run of an own loop, as the auditor, by running ``command`` (the
+    trainer's script) with VERITRAIN_GAME set; returns the verdict as a dict. ``prover``: the run folder or
+    the http:// address of ``veritrain serve RUN -- python train.py``. RunRejected when refused."""
+    if not command:
+        raise RunError("dispute: give the command that runs the training script after `--`")
+    if not os.path.isfile(os.path.join(audit_dir, "audit.json")):
+        raise RunError(f"{audit_dir} has no audit.json: run `veritrain audit RUN --out {audit_dir} -- ...` first")
+    if not prover.startswith(("http://", "https://")):
+        if not os.path.isfile(os.path.join(prover, store.MANIFEST)):
+            raise RunError(f"{prover} is not a run folder (no {store.MANIFEST})")
+        prover = os.path.abspath(prover)
+    with tempfile.TemporaryDirectory(prefix="veritrain-dispute-") as tmp:
+        result = os.path.join(tmp, "result.json")
+        opts = {"role": "challenger", "prover": prover, "audit_dir": os.path.abspath(audit_dir), "root": root,
+                "contract": os.path.abspath(contract) if contract else None, "timeout": timeout, "result": result}
+        data = _run_script(command, {GAME_ENV: json.dumps(opts)}, result, "dispute", stdout=sys.stderr)
+    if data.get("refused"):
+        raise RunRejected("; ".join(data["reasons"]))
+    return data
+
+
+def serve_script(run_dir: str, command: list[str], *, host: str = "127.0.0.1", port: int = 0) -> int:
+    """Answer the game's queries about a run of an own loop (the trainer's side) by running ``command`` (its
+    script) with VERITRAIN_GAME set, until interrupted; the script prints the address it serves on."""
+    if not command:
+        raise RunError("serve: give the command that runs the training script after `--`")
+    if not os.path.isfile(os.path.join(run_dir, store.MANIFEST)):
+        raise RunError(f"{run_dir} is not a run folder (no {store.MANIFEST})")
+    opts = {"role": "prover", "prover": os.path.abspath(run_dir), "host": host, "port": port}
+    env = dict(os.environ, **{GAME_ENV: json.dumps(opts)})
+    env.pop(AUDIT_ENV, None)  # one role per script
+    try:
+        return subprocess.call(command, env=env, preexec_fn=_stop_with_parent)
+    except OSError as e:
+        raise RunError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
+
+
+def _run_script(command: list[str], env: dict, result: str, what: str, stdout=None) -> dict:
+    """Run the script with ``env`` added; returns the JSON it left at ``result``."""
+    full = dict(os.environ, **env)
+    full.pop(AUDIT_ENV if GAME_ENV in env else GAME_ENV, None)  # one role per script
+    try:
+        rc = subprocess.call(command, env=full, stdout=stdout, preexec_fn=_stop_with_parent)
+    except OSError as e:
+        raise RunError(f"cannot run {command[0]!r}: {e.strerror or e}") from None
+    if not os.path.exists(result):
+        raise RunError(f"the script ({' '.join(command)}) exited with code {rc} before it finished the {what} "
+                       f"(its output above says why)")
+    with open(result) as f:
+        return json.load(f)
+
+
+def _stop_with_parent():
+    """In the script's process, before it starts: stop when the veritrain command that runs it ends, even if
+    that one is killed (Linux; subprocess.call already stops the script when the command is interrupted)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG

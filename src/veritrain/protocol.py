@@ -83,6 +83,7 @@ class Replayer:
         self.module_names = {id(m): n or "<model>" for n, m in self.task.model.named_modules()}
 
     def load(self, step: int, expect_state: str | None = None) -> str:
+        self.task.hold()
         data = self._checkpoint(step)
         with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
             f.write(data)
@@ -115,6 +116,7 @@ class Replayer:
                 reader = StepLogReader(self._log(step), expect_step=step, expect_bits=self.bits)
             except LogFormatError as e:
                 raise store.RunError(f"step {step}: {e}") from None
+        self.task.hold()
         batch = self.batch(step)
         hooks = []
         if trace is not None:
@@ -122,19 +124,20 @@ class Replayer:
             trace.add_sources(state_tensors(self.task), "state")
             hooks = _module_hooks(trace, self.module_names)
         try:
-            with using_device(self.device), step_context(self.engine, step, reader=reader, trace=trace) as st:
-                loss = self.task.run_step(batch)
+            with using_device(self.device):
+                loss, stats = self.task.replay_step(self.engine, step, batch, reader, trace)
         finally:
             for h in hooks:
                 h.remove()
             if reader is not None:
                 reader.close()
-        self.ops_replayed += st.stats.ops
+        self.ops_replayed += stats.ops
         self.at = step + 1
-        self.last_stats = st.stats
+        self.last_stats = stats
         return loss, batch
 
     def state_hash(self) -> str:
+        self.task.hold()
         return hash_state(self.task.model, self.task.optimizer, self.task.scheduler, self.at)
 
     def goto(self, interval_start: int, step: int, start_state: str | None = None):

@@ -193,7 +193,8 @@ def build_initial(ref: str, config: dict, engine: EngineConfig, writer=None, rea
     (``reader``). The auditor rebuilds the initial state this way instead of believing the trainer's."""
     with step_context(engine, 0, writer=writer, reader=reader, domain="init") as mode:
         task = build(ref, config)
-    task.init_stats = mode.stats
+    # an own loop's task was built by its script, under veritrain.init with the run's log: its statistics
+    task.init_stats = getattr(task, "script_init_stats", None) or mode.stats
     return task
 
 

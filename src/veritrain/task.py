@@ -77,6 +77,19 @@ class Task:
             self.scheduler.step()
         return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
+    def replay_step(self, engine, step: int, batch, reader=None, trace=None):
+        """``run_step`` under the engine, as a replay of the verification game runs it; returns (loss, the
+        step's engine statistics). An own loop's task (loop.py) runs the step in the script's loop instead."""
+        from .engine import step_context
+
+        with step_context(engine, step, reader=reader, trace=trace) as st:
+            loss = self.run_step(batch)
+        return loss, st.stats
+
+    def hold(self):
+        """Make this task's state the one in its model and optimizer. A no-op: only the tasks of an own loop
+        (loop.py), several views over the script's one model, swap their states in and out."""
+
 
 _device = torch.device("cpu")
 
@@ -133,13 +146,18 @@ def register(task) -> str:
     return ref
 
 
+def register_builder(ref: str, fn: Callable):
+    """Make ``ref`` build its task with ``fn`` in this process (the game's views of an own loop, loop.py)."""
+    _REGISTERED[ref] = fn
+
+
 def load_function(ref: str) -> Callable:
     if ref in _REGISTERED:
         return _REGISTERED[ref]
     if ref.startswith("loop:"):
         raise TaskError(f"{ref} is a run of an own loop (veritrain.Run): it is replayed by running its script, "
-                        f"`veritrain audit RUN -- python {ref[5:]} ...`; the verification game does not replay "
-                        f"own loops yet")
+                        f"e.g. `veritrain audit RUN -- python {ref[5:]} ...` (and `veritrain dispute` / `veritrain "
+                        f"serve` with the same `-- python {ref[5:]} ...`)")
     if ref.startswith("python:"):
         raise TaskError(f"task {ref!r} was handed to veritrain's Python API in another process; pass the same "
                         f"function or Task to this one")

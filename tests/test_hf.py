@@ -58,3 +58,4 @@ def test_gradient_accumulation_is_refused_with_its_reason(hf_run, tmp_path):
     p = cli("train", "hftask:make_task", "--out", tmp_path / "acc", "--steps", 2, "--set", "accumulate=2",
             "--quiet", env=env, cwd=d)
     assert p.returncode == 2 and "gradient_accumulation_steps" in p.stderr, p.stderr
+

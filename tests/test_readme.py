@@ -21,7 +21,8 @@ def snippets():
 
 def test_the_section_has_its_three_snippets():
     s = snippets()
-    assert len(s) == 3 and "veritrain.Run(" in s[0] and "veritrain.train(" in s[1] and "veritrain.hf.task(" in s[2]
+    assert len(s) == 4 and "veritrain.Run(" in s[0] and "veritrain.train(" in s[1] and \
+        "veritrain.hf.Trainer(" in s[2] and "veritrain.hf.task(" in s[3]
 
 
 def test_the_own_loop_snippet_trains_and_audits(tmp_path):
@@ -45,9 +46,26 @@ def test_the_api_snippet_prints_its_checks(tmp_path):
 
 def test_the_hugging_face_snippet_trains_and_audits(tmp_path):
     pytest.importorskip("accelerate")
-    (tmp_path / "hftask.py").write_text(snippets()[2])
+    (tmp_path / "hftask.py").write_text(snippets()[3])
     env = {"PYTHONPATH": str(tmp_path)}
     cli("train", "hftask:make_task", "--out", "runs/hf", "--steps", 2, "--checkpoint-every", 1, "--quiet",
         cwd=tmp_path, env=env, check=0)
     cli("audit", "runs/hf", "--task", "hftask:make_task", "--intervals", "1", "--quiet", cwd=tmp_path, env=env,
         check=0)
+
+
+def test_the_hugging_face_trainer_snippet_is_a_run_its_script_audits(tmp_path):
+    """veritrain.hf.Trainer: `trainer.train()` writes a run; the same script audits it on other hardware."""
+    pytest.importorskip("accelerate")
+    (tmp_path / "hftrain.py").write_text(snippets()[2])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERITRAIN_")}
+    p = subprocess.run([sys.executable, "hftrain.py", "runs/hft"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0 and "{'root': '" in p.stdout, p.stderr
+    m = json.loads((tmp_path / "runs" / "hft" / "manifest.json").read_text())
+    assert m["complete"] and m["task"] == "loop:hftrain.py" and m["seed"] == 3
+    assert m["config"]["training_args"]["learning_rate"] == 1e-3 and m["config"]["training_args"]["max_steps"] == 6
+    p = cli("audit", "runs/hft", "--variant", "isa-default", "--json", "--quiet", "--", sys.executable,
+            "hftrain.py", "runs/hft", cwd=tmp_path)
+    r = json.loads(p.stdout)
+    assert p.returncode == 0 and r["accepted"] and [c["match"] for c in r["checkpoints"]] == [True, True], r

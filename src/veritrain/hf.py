@@ -1,4 +1,17 @@
-"""Hugging Face ``transformers.Trainer``, made verifiable: its own training step as a veritrain Task.
+"""Hugging Face ``transformers.Trainer``, made verifiable, two ways.
+
+``veritrain.hf.Trainer`` is a ``transformers.Trainer`` whose ``train()`` is a verifiable run of your own
+script (veritrain.Run): the trainer writes the run folder, and the same script audits it
+(``veritrain audit RUN -- python train.py``) or plays the verification game (``veritrain dispute`` /
+``veritrain serve`` with ``-- python train.py``):
+
+    with veritrain.init(seed=0) as init:                    # the same initial weights on every machine
+        model = GPT2LMHeadModel(GPT2Config(...))
+    trainer = veritrain.hf.Trainer(model=model, args=args, train_dataset=dataset,
+                                   run_dir="runs/a", checkpoint_every=100, init=init)
+    trainer.train()
+
+``veritrain.hf.task(trainer)`` makes a Trainer a Task, for ``veritrain train mytask:make_task``:
 
     def make_task(config):                                  # mytask.py; `veritrain train mytask:make_task`
         model = GPT2LMHeadModel(GPT2Config(...))
@@ -19,12 +32,80 @@ auditor on other hardware builds the same weights.
 from __future__ import annotations
 
 import torch
+import transformers
 
 from .task import Task, TaskError
+
+# the TrainingArguments that decide the training (recorded in the run's config, compared by the auditor);
+# output and logging paths, which hold dates and host names, are not among them
+RECORDED_ARGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+                 "max_steps", "per_device_train_batch_size", "lr_scheduler_type", "lr_scheduler_kwargs",
+                 "warmup_steps", "warmup_ratio", "optim", "optim_args", "seed", "dataloader_drop_last")
+
+
+class Trainer(transformers.Trainer):
+    """A ``transformers.Trainer`` whose ``train()`` is a verifiable run (module docstring). ``run_dir``: the
+    run folder (a killed run there resumes when the script runs again); ``checkpoint_every``, ``bits``,
+    ``mode``, ``init`` (what ``veritrain.init`` yielded) and ``config`` (more settings to record) are
+    ``veritrain.Run``'s. The step is the Trainer's (see ``task``)."""
+
+    def __init__(self, *args, run_dir: str, checkpoint_every: int = 100, bits: int = 32, mode: str = "verified",
+                 init=None, config: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.veritrain_options = {"run_dir": run_dir, "checkpoint_every": checkpoint_every, "bits": bits,
+                                  "mode": mode, "init": init, "config": dict(config or {})}
+        self.veritrain_run = None
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """Train (or, under ``veritrain audit``/``dispute``/``serve``, replay) for ``args.max_steps`` steps;
+        returns a TrainOutput whose metrics hold the run's root (or the audit's verdict)."""
+        from transformers.trainer_utils import TrainOutput
+
+        from .loop import Run
+
+        if resume_from_checkpoint or trial is not None:
+            raise TaskError("veritrain.hf.Trainer.train(): a killed run resumes from its run folder when the script "
+                            "runs again; resume_from_checkpoint and hyperparameter search are not supported")
+        o = self.veritrain_options
+        loader, train_step = _parts(self, None)
+        recorded = {k: _json_value(getattr(self.args, k)) for k in RECORDED_ARGS if hasattr(self.args, k)}
+        run = Run(o["run_dir"], self.model, self.optimizer, scheduler=self.lr_scheduler, seed=self.args.seed,
+                  checkpoint_every=o["checkpoint_every"], bits=o["bits"], mode=o["mode"], init=o["init"],
+                  config={"training_args": recorded, **o["config"]})
+        self.veritrain_run = run
+        losses = []
+        for step, batch in run.steps(loader, self.args.max_steps):
+            with run.step(batch) as s:
+                s.loss = train_step(self.model, self.optimizer, batch)
+                self.lr_scheduler.step()
+            if isinstance(s.loss, torch.Tensor):
+                losses.append(float(s.loss.detach()))
+        self.state.global_step = self.args.max_steps
+        result = run.result if run.result is not None else {"root": getattr(run, "root", None)}
+        metrics = result.as_dict() if hasattr(result, "as_dict") else dict(result)
+        return TrainOutput(self.args.max_steps, sum(losses) / len(losses) if losses else 0.0, metrics)
+
+
+def _json_value(v):
+    import json
+
+    try:
+        json.dumps(v)
+        return v
+    except (TypeError, ValueError):
+        return str(v)
 
 
 def task(trainer, *, seed: int | None = None) -> Task:
     """A Task that trains ``trainer``'s model with ``trainer``'s own step, optimizer and schedule."""
+    loader, train_step = _parts(trainer, seed)
+    return Task(model=trainer.model, optimizer=trainer.optimizer, batch=loader.batch, train_step=train_step,
+                scheduler=trainer.lr_scheduler, batch_indices=loader.indices)
+
+
+def _parts(trainer, seed):
+    """(a StepLoader over the Trainer's dataset, the Trainer's step as train_step(model, optimizer, batch)),
+    after the Trainer built its optimizer and schedule for args.max_steps."""
     from .data import StepLoader
 
     args = trainer.args
@@ -59,5 +140,4 @@ def task(trainer, *, seed: int | None = None) -> Task:
         model.zero_grad(set_to_none=True)
         return loss
 
-    return Task(model=trainer.model, optimizer=trainer.optimizer, batch=loader.batch, train_step=train_step,
-                scheduler=trainer.lr_scheduler, batch_indices=loader.indices)
+    return loader, train_step

@@ -156,7 +156,11 @@ def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
 
 
 def _script_of(frame) -> tuple[str, str]:
-    """(label, source sha256) of the file that constructs the Run: the code an auditor must run too."""
+    """(label, source sha256) of the file that constructs the Run (through veritrain.hf.Trainer, say): the
+    code an auditor must run too."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame = frame.f_back
     path = frame.f_code.co_filename
     if not os.path.isfile(path):
         raise RunError(f"veritrain.Run must be created in a script or module file (not {path}): the auditor "

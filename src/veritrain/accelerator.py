@@ -166,11 +166,7 @@ def _mm_op(self, mat2):
     return _mm(self, mat2)
 
 
-def _addmm_op(bias, a, b, *, beta=1, alpha=1):
-    return _epilogue(_mm(a, b), bias, beta, alpha)
-
-
-def _baddbmm_op(bias, a, b, *, beta=1, alpha=1):
+def _addmm_op(bias, a, b, *, beta=1, alpha=1):  # addmm and baddbmm: the product, then the bias
     return _epilogue(_mm(a, b), bias, beta, alpha)
 
 
@@ -270,7 +266,7 @@ LIBRARY_FUNCTIONS = ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "t
 
 # functional op packet -> float64 implementation, or one that returns None to run the CPU kernel
 REORDER = {
-    "mm": _mm_op, "bmm": _mm_op, "addmm": _addmm_op, "baddbmm": _baddbmm_op,
+    "mm": _mm_op, "bmm": _mm_op, "addmm": _addmm_op, "baddbmm": _addmm_op,
     "sum": _sum_op, "mean": _mean_op,
     "convolution": _convolution_op, "convolution_backward": _convolution_backward_op,
     "addcmul": _addcmul_op, "addcdiv": _addcdiv_op, "lerp": _lerp_op,

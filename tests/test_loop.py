@@ -208,8 +208,9 @@ def test_the_game_replays_the_script_and_blames_a_recommitted_checkpoint(trained
     assert p.returncode == 1 and v["verdict"] == "trainer_wrong" and v["interval"] == 0, v
     assert "its leaf commits to" in " ".join(v["reasons"]), v
     # without the script, the run is named as an own loop's: no module named after the script is imported
-    p = cli("dispute", bad, tmp_path / "audit", "--task", "loop:train.py", cwd=d)
-    assert p.returncode == 2 and "-- python train.py" in p.stderr, p.stderr
+    for flags in ([], ["--task", "loop:train.py"]):
+        p = cli("dispute", bad, tmp_path / "audit", *flags, cwd=d)
+        assert p.returncode == 2 and "-- python train.py" in p.stderr, p.stderr
 
 
 def test_a_wrong_audit_is_the_auditors_fault(trained, tmp_path):

@@ -207,6 +207,9 @@ def dispute(prover: str, audit_dir: str, *, root: str | None = None, task=None, 
         side = HttpProver(prover, timeout=timeout)
     else:
         side = LocalProver(prover, device=device)
+        if str(side.manifest().get("task")).startswith("loop:") and task is None and contract is None:
+            raise RunError(f"{prover} is a run of an own loop: give its script, e.g. `veritrain dispute {prover} "
+                           f"{audit_dir} -- python {side.manifest()['task'][5:]} ...`")
     try:
         v = dict(Challenger(side, audit_state, root, policy=_policy(task, contract, root), device=device).play())
     except _Lost as e:

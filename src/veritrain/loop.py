@@ -510,6 +510,15 @@ class _Replaying(Run):
 _provers: dict = {}  # the game's prover, by address: veritrain.init and Run.steps ask the same one
 
 
+def _audited_run(opts: dict) -> str | None:
+    """The run_sha256 the challenger's saved audit records."""
+    try:
+        with open(os.path.join(opts["audit_dir"], "audit.json")) as f:
+            return json.load(f).get("run_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _game_prover(opts: dict):
     """The trainer's side of the game: its run folder (LocalProver) or the address of its ``veritrain serve``."""
     from .protocol import LocalProver
@@ -622,7 +631,10 @@ class _Playing(Run):
         opts = gaming()
         try:
             prover = _game_prover(opts)
-            self._compare_settings(prover.manifest(), int(num_steps))
+            m = prover.manifest()
+            if opts["role"] == "prover" or _audited_run(opts) == store.run_sha256(m).hex():
+                # the audited run (a prover that sends another manifest loses the game instead)
+                self._compare_settings(m, int(num_steps))
         except RunRejected as e:
             _refuse(str(e))
         except Exception as e:  # noqa: BLE001 - no manifest: there is no run to play about

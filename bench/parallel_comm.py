@@ -74,7 +74,7 @@ def main():
         mp.spawn(worker, args=(args.world, os.path.join(d, "store"), sizes, micro, args.repeats, out),
                  nprocs=args.world)
         rows = torch.load(out)
-    lines = [f"\n## Data-parallel communication (issue 11)\n",
+    lines = ["\n## Data-parallel communication (issue 11)\n",
              f"Command: `python bench/parallel_comm.py --world {args.world} --sizes {args.sizes} --micro {args.micro} "
              f"--repeats {args.repeats}` ({time.strftime('%Y-%m-%d')}). Machine: {_cpu()}, "
              f"{os.cpu_count()} cores, torch {torch.__version__}, gloo, {args.world} processes of 1 thread.\n",

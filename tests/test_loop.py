@@ -248,7 +248,8 @@ def test_the_game_finds_the_step_and_operator_a_trainer_tampered_with(trained, t
         line = server.stdout.readline()
         assert "http://" in line, line
         url = line.strip().split(" on ")[-1]
-        p = cli("dispute", url, tmp_path / "audit", "--json", "--", sys.executable, d / "train.py", bad, cwd=d)
+        p = cli("dispute", url, tmp_path / "audit", "--json", "--variant", "isa-default", "--", sys.executable,
+                d / "train.py", bad, cwd=d)
         v = json.loads(p.stdout)
     finally:
         server.kill()
@@ -257,7 +258,7 @@ def test_the_game_finds_the_step_and_operator_a_trainer_tampered_with(trained, t
     assert (v["interval"], v["step"], v["operator"], v["module"]) == \
         (1, 5, "aten.addmm.default", "transformer.h.0.mlp.c_fc"), v
     assert "c_fc.weight" in v["ruling"] and "state before the step is agreed" in v["ruling"], v
-    assert v["referee_ops"] == 1
+    assert v["referee_ops"] == 1 and v["hardware"]["variant"] == "isa-default"  # the auditor on other hardware
 
 
 def _sigint_default():

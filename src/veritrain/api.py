@@ -184,7 +184,7 @@ def dispute(prover: str, audit_dir: str, *, root: str | None = None, task=None, 
     """Play the verification game against ``prover`` (the trainer's run folder, or the http:// address of
     ``veritrain serve``) from the audit saved in ``audit_dir`` (``audit(..., out=audit_dir)``). For a run of
     an own loop, ``command`` is its script, as for ``audit``."""
-    from .protocol import Challenger, LocalProver, _Lost
+    from .protocol import LocalProver, play
     from .server import HttpProver
     from .store import RunError
 
@@ -210,12 +210,7 @@ def dispute(prover: str, audit_dir: str, *, root: str | None = None, task=None, 
         if str(side.manifest().get("task")).startswith("loop:") and task is None and contract is None:
             raise RunError(f"{prover} is a run of an own loop: give its script, e.g. `veritrain dispute {prover} "
                            f"{audit_dir} -- python {side.manifest()['task'][5:]} ...`")
-    try:
-        v = dict(Challenger(side, audit_state, root, policy=_policy(task, contract, root), device=device).play())
-    except _Lost as e:
-        v = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None, "module": None,
-             "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
-    return _dispute_result(v)
+    return _dispute_result(play(side, audit_state, root, _policy(task, contract, root), device=device))
 
 
 def _dispute_result(v: dict) -> DisputeResult:

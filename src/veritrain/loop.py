@@ -685,7 +685,7 @@ class _Playing(Run):
 
     def _challenge(self, opts: dict, prover, bridge: _StepBridge):
         """The game's thread, as the auditor: the Challenger with this side's policy and the saved audit."""
-        from .protocol import Challenger, _Lost
+        from .protocol import play
 
         outcome = None
         try:
@@ -694,11 +694,7 @@ class _Playing(Run):
             policy = Policy.from_options(contract=opts.get("contract"), root=opts.get("root"))
             if policy.task is None:  # the auditor runs this script: it names the task itself
                 policy.task = self.task
-            try:
-                outcome = dict(Challenger(prover, audit, opts.get("root"), policy=policy).play())
-            except _Lost as e:
-                outcome = {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None,
-                           "module": None, "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
+            outcome = play(prover, audit, opts.get("root"), policy)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             outcome = e if isinstance(e, (RunError, TaskError)) else RunError(f"the game stopped: {type(e).__name__}: {e}")
         finally:

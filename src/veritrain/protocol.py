@@ -729,6 +729,15 @@ class Challenger:
         return get
 
 
+def play(prover: Prover, audit: dict, root: str | None, policy: Policy, device="cpu") -> dict:
+    """The whole game as the challenger: its verdict as a dict, a prover that fails at the start included."""
+    try:
+        return dict(Challenger(prover, audit, root, policy=policy, device=device).play())
+    except _Lost as e:
+        return {"verdict": "trainer_wrong", "interval": None, "step": None, "operator": None, "module": None,
+                "queries": 1, "referee_ops": 0, "referee_bytes": 0, "reasons": [e.why]}
+
+
 # --- the referee -------------------------------------------------------------------------------
 
 

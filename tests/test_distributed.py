@@ -57,63 +57,6 @@ def test_plain_ddp_in_float32_differs_between_one_and_two_processes(tmp_path):
     assert differing > 0, p.stdout  # the same seed, data and steps; other weights
 
 
-MICRO_SCRIPT = '''
-import sys
-import torch, torch.distributed as dist, torch.multiprocessing as mp
-from veritrain import parallel
-from veritrain.engine import EngineConfig, step_context
-from veritrain.rounding import Grid
-
-G = 4
-
-def worker(rank, world, store, out):
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen).double().float() * 0.3)
-    params = list(model.parameters())
-    x = torch.randn(G * 8, 16, generator=gen)
-    y = torch.randint(0, 4, (G * 8,), generator=gen)
-    mine = parallel.assignment(G, world)[rank]
-    local = {}
-    engine = EngineConfig(mode="verified", bits=32, seed=0)
-    for g in mine:
-        model.zero_grad(set_to_none=True)
-        with step_context(engine, 0, domain=parallel.micro_domain(g)):
-            loss = torch.nn.functional.cross_entropy(model(x[g * 8:(g + 1) * 8]), y[g * 8:(g + 1) * 8])
-            loss.backward()
-        local[g] = parallel.flatten([p.grad for p in params], params)
-    flat = parallel.reduce_in_order(parallel.gather(local, G), Grid(32))
-    if rank == 0:
-        torch.save(flat, out)
-    if world > 1:
-        dist.destroy_process_group()
-
-if __name__ == "__main__":
-    d = sys.argv[1]
-    for world in (1, 2, 3):
-        mp.spawn(worker, args=(world, f"{d}/store{world}", f"{d}/g{world}.pt"), nprocs=world)
-    g = {w: torch.load(f"{d}/g{w}.pt") for w in (1, 2, 3)}
-    print("equal", all(torch.equal(g[1].view(torch.int32), g[w].view(torch.int32)) for w in (2, 3)),
-          "nonzero", int((g[1] != 0).sum()), "of", g[1].numel())
-'''
-
-
-def test_the_step_gradient_is_the_same_bits_for_one_two_and_three_processes(tmp_path):
-    """G = 4 micro-batches (dropout keyed by micro-batch), each under the engine on whichever rank runs it, the
-    gradients all-gathered and summed in micro-batch order in float64: the same bits for N = 1, 2, 3."""
-    (tmp_path / "micro.py").write_text(MICRO_SCRIPT)
-    p = subprocess.run([sys.executable, str(tmp_path / "micro.py"), str(tmp_path)], capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr
-    words = p.stdout.split()
-    assert words[1] == "True" and int(words[3]) > 0, p.stdout
-
-
 def test_micro_batches_are_shared_out_in_contiguous_blocks():
     import pytest
 
@@ -137,3 +80,213 @@ def test_the_reduction_follows_micro_batch_order_where_float64_is_not_exact():
     a, tiny, b = torch.tensor([1.0]), torch.tensor([2.0 ** -60]), torch.tensor([-1.0])
     assert reduce_in_order([a, tiny, b], Grid(32)).item() == 0.0        # (1 + 2^-60) - 1 in float64
     assert reduce_in_order([a, b, tiny], Grid(32)).item() == 2.0 ** -60
+
+
+# --- data-parallel runs: veritrain train/audit --nproc, the game, resume ---------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+
+import pytest  # noqa: E402
+
+from conftest import REPO, audit_json, cli  # noqa: E402
+
+TASKS = os.path.join(REPO, "tests", "tasks")
+ENV = {"PYTHONPATH": TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+G, STEPS, EVERY = 4, 4, 2
+DP = ["--micro-batches", G, "--steps", STEPS, "--checkpoint-every", EVERY, "--quiet", "--json"]
+GPT2 = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2", "--set", "seq_len=16",
+        "--set", "batch_size=2", "--set", "max_chars=20000", "--set", "optimizer=adamw"]
+
+
+def _train(run, task, *args, nproc=1, env=None):
+    p = cli("train", task, "--out", run, *DP, *args, "--nproc", nproc, env={**ENV, **(env or {})})
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+_DP_RUNS = {}
+
+
+def _dp_run(task, tmp_path_factory, shakespeare):
+    """A run trained by 2 processes (G = 4 micro-batches per step, AdamW, dropout), and the same run trained
+    by one process (each trained once per test session)."""
+    if task not in _DP_RUNS:
+        args = ["--set", "optimizer=adamw"] if task == "digits-cnn" else ["--set", f"corpus={shakespeare}", *GPT2]
+        d = tmp_path_factory.mktemp(f"dp-{task}")
+        two = _train(d / "n2", task, *args, nproc=2)
+        one = _train(d / "n1", task, *args, nproc=1)
+        _DP_RUNS[task] = d / "n2", two, one
+    return _DP_RUNS[task]
+
+
+@pytest.fixture(scope="module", params=["digits-cnn", "gpt2-text"])
+def dp_run(request, tmp_path_factory, shakespeare):
+    return _dp_run(request.param, tmp_path_factory, shakespeare)
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory, shakespeare):
+    return _dp_run("digits-cnn", tmp_path_factory, shakespeare)
+
+
+def test_two_processes_and_one_train_to_the_same_root(dp_run):
+    _, two, one = dp_run
+    assert two["root"] == one["root"] and two["final_state_hash"] == one["final_state_hash"]
+    m = json.loads(open(os.path.join(two["run"], "manifest.json")).read())
+    assert m["micro_batches"] == G
+    logs = sorted(os.listdir(os.path.join(two["run"], "logs")))
+    assert "step_00000003.micro_00003.vtlog" in logs and "step_00000003.vtlog" in logs  # keyed by micro-batch
+
+
+@pytest.mark.parametrize("how", ["two processes", "one process, other hardware"])
+def test_an_auditor_with_any_number_of_processes_reaches_the_trainers_root(dp_run, how):
+    run, two, _ = dp_run
+    if how == "two processes":
+        p = cli("audit", run, "--json", "--quiet", "--nproc", 2)
+        assert p.returncode == 0, p.stderr
+        r = json.loads(p.stdout)
+    else:
+        r = audit_json(run, "isa-default")
+        assert r["hardware"]["variant"] == "isa-default"
+    assert r["accepted"], r["reasons"]
+    assert r["root"] == two["root"] and len(r["checkpoints"]) == STEPS // EVERY
+    assert all(c["match"] for c in r["checkpoints"])
+    assert r["entries"] > 0  # the micro-batches' and the updates' logs were read
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory):
+    """A 2-process run whose rank 1 trains micro-batch 3 of step 3 (the task's batch(15)) on altered data."""
+    from veritrain.parallel import assignment
+
+    assert 3 in assignment(G, 2)[1]
+    d = tmp_path_factory.mktemp("dp-poison")
+    poison = {"VERITRAIN_TEST_POISON_STEP": str(3 * G + 3)}
+    _train(d / "run", "poisoned_digits:make_task", nproc=2, env=poison)
+    p = cli("audit", d / "run", "--out", d / "audit", "--json", "--quiet", "--task", "poisoned_digits:make_task",
+            env=ENV)
+    return d / "run", d / "audit", poison, json.loads(p.stdout), p.returncode
+
+
+def test_a_poisoned_micro_batch_on_rank_1_is_rejected_by_the_audit(poisoned):
+    _, _, _, r, rc = poisoned
+    assert rc == 1 and not r["accepted"]
+    assert any("micro-batch 3 differs from what batch(15) yields" in x for x in r["reasons"]), r["reasons"]
+
+
+def test_the_game_names_the_step_the_micro_batch_and_the_operator(poisoned):
+    from test_protocol import serve
+
+    run, audit_dir, poison, _, _ = poisoned
+    proc, url = serve(run, {**ENV, **poison})  # the trainer's machine answers with its poisoned pipeline
+    try:
+        p = cli("dispute", url, audit_dir, "--json", "--task", "poisoned_digits:make_task", env=ENV)
+    finally:
+        proc.terminate()
+        proc.wait()
+    v = json.loads(p.stdout)
+    assert p.returncode == 1, p.stderr
+    assert v["verdict"] == "trainer_wrong", v
+    assert (v["interval"], v["step"], v["micro_batch"]) == (1, 3, 3), v
+    assert v["operator"] == "aten.convolution.default" and v["module"] == "conv1", v
+    assert "micro-batch 3 of step 3" in v["ruling"] and v["referee_ops"] == 1
+
+
+def test_a_prover_that_serves_another_micro_batch_log_loses(poisoned):
+    from veritrain.policy import Policy
+    from veritrain.protocol import LocalProver, play
+
+    run, audit_dir, _, _, _ = poisoned
+
+    class SwappedLogs(LocalProver):  # answers micro-batch 2's log when asked for micro-batch 3's
+        def log(self, step, micro=None):
+            return super().log(step, 2 if micro == 3 else micro)
+
+    audit = json.loads((audit_dir / "audit.json").read_text())
+    v = play(SwappedLogs(str(run)), audit, None, Policy(task="poisoned_digits:make_task"))
+    assert v["verdict"] == "trainer_wrong"
+    assert any("micro-batch 3, does not match its committed record" in r for r in v["reasons"]), v
+
+
+def test_a_killed_rank_then_resume_gives_the_uninterrupted_root(tmp_path):
+    task = "killed_digits:make_task"
+    # rank 1 dies computing micro-batch 2 of step 2 (after the checkpoint of step 2 was committed)
+    p = cli("train", task, "--out", tmp_path / "run", *DP, "--nproc", 2,
+            env={**ENV, "VERITRAIN_TEST_KILL_AT": str(2 * G + 2)})
+    assert p.returncode == 128 + 9, p.stderr
+    assert "rank 1 was killed by SIGKILL" in p.stderr and "--resume --nproc 2" in p.stderr
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert not m["complete"] and m["steps_completed"] == 2
+    p = cli("train", task, "--out", tmp_path / "run", "--resume", "--nproc", 2, "--quiet", "--json", env=ENV)
+    assert p.returncode == 0, p.stderr
+    resumed = json.loads(p.stdout)
+    whole = _train(tmp_path / "whole", task)
+    assert resumed["root"] == whole["root"]
+
+
+def _dp_copy(run, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(run, dst)
+    return dst
+
+
+@pytest.mark.parametrize("value", [2, 1, "4", 10**9, None])
+def test_a_manifest_that_changes_the_number_of_micro_batches_is_rejected(digits_run, tmp_path, value):
+    """The trainer claims another G (or drops it: one micro-batch per step) than the run was trained with."""
+    run, _, _ = digits_run
+    bad = _dp_copy(run, tmp_path)
+    m = json.loads((bad / "manifest.json").read_text())
+    if value is None:
+        del m["micro_batches"]
+    else:
+        m["micro_batches"] = value
+    m.pop("manifest_sha256", None)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    r = audit_json(bad, "native")
+    assert not r["accepted"], r
+
+
+def test_an_altered_micro_batch_log_is_named(digits_run, tmp_path):
+    run, _, _ = digits_run
+    bad = _dp_copy(run, tmp_path)
+    name = bad / "logs" / "step_00000001.micro_00002.vtlog"
+    name.write_bytes(name.read_bytes()[:-1] + b"\0")
+    r = audit_json(bad, "native")
+    assert not r["accepted"]
+    assert any("step_00000001.micro_00002.vtlog is not the log the trainer committed to" in x for x in r["reasons"])
+    p = cli("verify", bad)
+    assert p.returncode == 1 and "step_00000001.micro_00002.vtlog" in p.stdout + p.stderr
+
+
+def test_the_policy_bounds_and_pins_the_micro_batches():
+    from veritrain.policy import Policy, PolicyError
+
+    m = {"format": "veritrain-run/2", "task": "digits-cnn", "seed": 0, "steps": 4, "checkpoint_every": 2, "bits": 32,
+         "mode": "verified", "config": {}, "thresholds": {}, "micro_batches": 4}
+    assert Policy().admit(m, build=False).micro_batches == 4
+    with pytest.raises(PolicyError, match="micro_batches"):
+        Policy(micro_batches=8).admit(m, build=False)
+    for bad in (1, 0, True, "4", 10**6):
+        with pytest.raises(PolicyError, match="micro_batches"):
+            Policy().admit({**m, "micro_batches": bad}, build=False)
+
+
+def test_more_processes_than_micro_batches_is_refused_before_anything_is_written(tmp_path):
+    p = cli("train", "digits-cnn", "--out", tmp_path / "run", "--micro-batches", 2, "--steps", 2, "--nproc", 3,
+            "--quiet")
+    assert p.returncode == 2 and "3 processes for 2 micro-batches" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_torchrun_launches_the_same_run(digits_run, tmp_path):
+    """`torchrun --nproc_per_node 2 -m veritrain.cli train ...` (as the README launches on several machines):
+    its processes join torchrun's process group; the run is the one `--nproc 2` trains."""
+    _, two, _ = digits_run
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "veritrain.cli", "train", "digits-cnn", "--out", str(tmp_path / "run"),
+                        *map(str, DP), "--set", "optimizer=adamw"],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, **ENV})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["root"] == two["root"]

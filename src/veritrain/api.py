@@ -105,8 +105,10 @@ def _policy(task=None, contract=None, root=None):
 
 def train(task, out: str, *, steps: int = 20, checkpoint_every: int = 10, bits: int = 32, seed: int = 0,
           config: dict | None = None, mode: str = "verified", thresholds: dict | None = None, device: str = "cpu",
-          resume: bool = False, progress: bool = False) -> TrainResult:
-    """Train ``task`` into the new folder ``out`` (or continue a killed run there with ``resume``)."""
+          resume: bool = False, progress: bool = False, micro_batches: int = 1) -> TrainResult:
+    """Train ``task`` into the new folder ``out`` (or continue a killed run there with ``resume``).
+    ``micro_batches`` > 1 makes a data-parallel run (docs/DISTRIBUTED.md): in a process group that
+    torch.distributed already joined (e.g. under torchrun), every rank calls ``train`` alike."""
     import shlex
 
     from .runner import TrainOptions, train as run_train
@@ -114,7 +116,7 @@ def train(task, out: str, *, steps: int = 20, checkpoint_every: int = 10, bits: 
     ref = _ref(task)
     m = run_train(TrainOptions(task=ref, out=out, steps=steps, checkpoint_every=checkpoint_every, bits=bits,
                                seed=seed, config=dict(config or {}), mode=mode, thresholds=thresholds,
-                               progress=progress, resume=resume, device=device))
+                               progress=progress, resume=resume, device=device, micro_batches=micro_batches))
     return TrainResult(run_dir=out, task=m["task"], steps=m["steps_completed"], mode=m["mode"], bits=m["bits"],
                        root=m["root"], final_state_sha256=m["checkpoints"][-1]["state_sha256"],
                        evaluation=m.get("evaluation"), next_command=f"veritrain audit {shlex.quote(out)}", manifest=m)

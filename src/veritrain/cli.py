@@ -77,8 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--thresholds", help="JSON file of per-class threshold constants")
     t.add_argument("--resume", action="store_true",
                    help="continue the killed run in --out from its last complete checkpoint")
+    t.add_argument("--micro-batches", type=int, default=1, metavar="G",
+                   help="data-parallel run: each step is G micro-batches (the task's batch(step*G) .. "
+                        "batch(step*G+G-1)), whatever the number of processes (docs/DISTRIBUTED.md)")
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
     t.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
+    _nproc_arg(t)
     _device_arg(t)
     _variant_arg(t)
 
@@ -99,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print the result as JSON")
     a.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     _policy_args(a)
+    _nproc_arg(a)
     _device_arg(a)
     _variant_arg(a)
 
@@ -200,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _nproc_arg(p):
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="run as N processes on this machine (gloo on CPUs, NCCL on GPUs); a data-parallel run only. "
+                        "Under torchrun, leave it out: the processes torchrun starts join its process group")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `veritrain audit RUN [options] -- python train.py ...`: the command after `--` replays an own loop
@@ -219,6 +230,30 @@ def main(argv: list[str] | None = None) -> int:
         hardware.apply_process_settings()
         if getattr(args, "device", None) is not None:  # checked before anything is written
             args.device = str(hardware.parse_device(args.device))
+        if args.command in ("train", "audit"):
+            from . import parallel
+
+            nproc = args.nproc
+            if nproc < 1:
+                raise ValueError(f"--nproc must be at least 1, got {nproc}")
+            if nproc > 1 and parallel.launched():
+                raise ValueError("--nproc starts its own processes; under torchrun, leave it out")
+            if nproc > 1:
+                if args.command == "train" and not args.resume:
+                    parallel.assignment(args.micro_batches, nproc)  # ValueError before any process starts
+                if command:
+                    raise ValueError("--nproc does not apply to the run of an own loop (the command after `--`)")
+                rest = [a for i, a in enumerate(own) if a != "--nproc" and not a.startswith("--nproc=")
+                        and not (i > 0 and own[i - 1] == "--nproc")]
+                rc = parallel.launch(rest, nproc)
+                if rc != 0 and args.command == "train":
+                    hint = _interrupted(args)
+                    if "resume with" in hint:
+                        print(f"veritrain: {hint.split('; ', 1)[1]} --nproc {nproc} (any number of processes "
+                              f"up to the run's micro-batches per step)", file=sys.stderr)
+                return rc
+            if parallel.launched():
+                args.device = parallel.init_from_env(args.device)
         return _dispatch(args)
     except KeyboardInterrupt:
         # a second Ctrl-C (or the --variant parent passing one on) must not turn this into a traceback
@@ -242,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, (RunError, TaskError, CheckpointError, LogFormatError, VeritrainError, ValueError, OSError,
                           FileNotFoundError, PermissionError)):
             print(f"veritrain: error: {e}", file=sys.stderr)
+            return 2
+        from . import parallel
+
+        if parallel.launched() and isinstance(e, RuntimeError):  # a collective failed: another rank is gone
+            print(f"veritrain: error: rank {os.environ.get('RANK')}: the process group broke off "
+                  f"({str(e).splitlines()[0][:300]})", file=sys.stderr)
             return 2
         raise
 
@@ -441,7 +482,7 @@ def _dispute(args) -> int:
         print(json.dumps(verdict, indent=1, sort_keys=True))
     else:
         print(f"verdict: {verdict['verdict']}")
-        for k in ("interval", "step", "operator", "module", "data_step", "ruling"):
+        for k in ("interval", "step", "micro_batch", "operator", "module", "data_step", "ruling"):
             if verdict.get(k) is not None:
                 print(f"  {k}: {verdict[k]}")
         print(f"  queries {verdict['queries']}, referee recomputed {verdict['referee_ops']} op(s) from "
@@ -502,7 +543,12 @@ def _train(args) -> int:
     config = _config(args.task, args.set)
     m = train(TrainOptions(task=args.task, out=args.out, steps=args.steps, checkpoint_every=args.checkpoint_every,
                            bits=args.bits, seed=args.seed, config=config, mode=args.mode,
-                           thresholds=thresholds, progress=not args.quiet, resume=args.resume, device=args.device))
+                           thresholds=thresholds, progress=not args.quiet, resume=args.resume, device=args.device,
+                           micro_batches=args.micro_batches))
+    from .parallel import world
+
+    if world()[0] != 0:  # rank 0 reports
+        return 0
     last = m["checkpoints"][-1]
     # the default policy audits built-in tasks only: the auditor names a task of one's own itself
     audit_cmd = ["veritrain", "audit", args.out] + (["--task", m["task"]] if m["task"] not in BUILTIN_TASKS else [])
@@ -537,6 +583,10 @@ def _audit(args) -> int:
     else:
         r = audit(args.run_dir, args.out, progress=not args.quiet, intervals=args.intervals, sample=args.sample,
                   sample_seed=args.seed, root=args.root, policy=_policy(args), device=args.device)
+        from .parallel import world
+
+        if world()[0] != 0:  # rank 0 reports
+            return 0 if r.accepted else 1
     if args.json:
         print(json.dumps(r.as_dict(), indent=1, sort_keys=True))
     else:

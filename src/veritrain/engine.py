@@ -408,13 +408,14 @@ class VerifiedMode(TorchDispatchMode):
         before, random_before = self.op_index, self.random_index
         inputs = [_tensor_digest(x).hex() for x in _tensor_leaves((args, kwargs))]
         bound = call_args_digest(func, args, kwargs)  # the non-tensor arguments, before scalars are rounded
-        call = dump_call(func, args, kwargs, random_before) if tr.capture == before + 1 else None
+        position = len(tr.entries) + 1  # in the step's trace: a data-parallel step's parts follow one another
+        call = dump_call(func, args, kwargs, random_before) if tr.capture == position else None
         out = self._random(func, args, kwargs) if rule.kind == rules.RANDOM else self._compute(func, rule, args, kwargs)
         if self.op_index == before + 1:  # this call was one rounded op (not integer work)
             outputs = [_tensor_digest(x).hex() for x in _tensor_leaves(out)]
             for d in outputs:
-                tr.sources.setdefault(d, f"op:{self.op_index}")
-            entry = {"index": self.op_index, "op": str(func), "where": tr.where(self), "args": bound,
+                tr.sources.setdefault(d, f"op:{position}")
+            entry = {"index": self.op_index, "part": self.domain, "op": str(func), "where": tr.where(self), "args": bound,
                      "random_index": random_before, "inputs": inputs,
                      "sources": [tr.sources.get(d) for d in inputs], "outputs": outputs}
             entry["chain"] = OpTrace.link(tr.entries[-1]["chain"] if tr.entries else "", entry)

@@ -31,7 +31,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .store import FORMAT, RunError, RunRejected
+from .store import FORMAT, MAX_MICRO_BATCHES, RunError, RunRejected
 
 CONTRACT_FORMAT = "veritrain-contract/1"
 DEFAULT_SLACK = 2.0
@@ -39,7 +39,7 @@ MODES = ("verified", "nolog", "fp64", "fp32")
 # pinned fields and their types (a contract may pin any of them; absent = the default policy)
 PINNABLE = {"task": str, "task_source_sha256": str, "config": dict, "seed": int, "steps": int,
             "checkpoint_every": int, "bits": int, "mode": str, "thresholds": dict, "slack": (int, float),
-            "initial_state_sha256": str, "root": str}
+            "initial_state_sha256": str, "root": str, "micro_batches": int}
 MAX_STEPS = 1 << 40
 
 
@@ -75,6 +75,7 @@ class Policy:
     slack: float = DEFAULT_SLACK
     initial_state_sha256: str | None = None
     root: str | None = None
+    micro_batches: int | None = None  # data-parallel runs: micro-batches per step (1: none)
     source: str = "default policy"  # where it came from, for messages
 
     def __post_init__(self):
@@ -207,6 +208,12 @@ class Policy:
         if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not math.isfinite(slack) \
                 or not 0 < slack <= self.slack:
             refuse("slack", f"is {slack!r}, the policy allows at most {self.slack:g}")
+        micro = manifest.get("micro_batches", 1)
+        if "micro_batches" in manifest and (isinstance(micro, bool) or not isinstance(micro, int)
+                                            or not 2 <= micro <= MAX_MICRO_BATCHES):
+            refuse("micro_batches", f"is {str(micro)[:40]!r}, not a whole number in 2..{MAX_MICRO_BATCHES}")
+        if self.micro_batches is not None and micro != self.micro_batches:
+            refuse("micro_batches", f"is {micro!r}, the policy requires {self.micro_batches!r}")
         init = manifest.get("initial_state_sha256")
         if self.initial_state_sha256 is not None and init != self.initial_state_sha256:
             refuse("initial_state_sha256", f"is {str(init)[:64]!r}, the policy pins {self.initial_state_sha256!r}")
@@ -221,7 +228,7 @@ class Policy:
         return AdmittedRun(task=task, config=config, seed=manifest["seed"], steps=manifest["steps"],
                            checkpoint_every=manifest["checkpoint_every"], bits=manifest["bits"],
                            mode=manifest["mode"], thresholds=thresholds, slack=self.slack,
-                           initial_state_sha256=self.initial_state_sha256, policy=self)
+                           initial_state_sha256=self.initial_state_sha256, policy=self, micro_batches=micro)
 
 
 @dataclass
@@ -241,6 +248,7 @@ class AdmittedRun:
     slack: float
     initial_state_sha256: str | None
     policy: Policy
+    micro_batches: int = 1
 
     def engine(self):
         from .engine import EngineConfig
@@ -279,4 +287,5 @@ def trusted(manifest: dict) -> AdmittedRun:
                        bits=int(manifest["bits"]), mode=manifest["mode"],
                        thresholds={**DEFAULT_THRESHOLDS, **manifest["thresholds"]},
                        slack=float(manifest.get("slack", DEFAULT_SLACK)), initial_state_sha256=None,
-                       policy=Policy(source="the run's own manifest"))
+                       policy=Policy(source="the run's own manifest"),
+                       micro_batches=int(manifest.get("micro_batches", 1)))

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import store
+from . import parallel, store
 from .checkpoint import CheckpointError, hash_state, load_checkpoint
 from .commitments import batch_hash
 from .engine import (OpTrace, ReplayMismatchError, VeritrainError, load_call, load_call_tensors,
@@ -106,10 +106,20 @@ class Replayer:
         with using_device(self.device):
             return _prepare_batch(self.task.batch(step), self.mode, self.grid)
 
+    def micro_batch(self, step: int, g: int):
+        """Micro-batch ``g`` of ``step`` of a data-parallel run, as this side's task yields it."""
+        from .runner import _prepare_batch
+
+        with using_device(self.device):
+            return _prepare_batch(self.task.batch(step * self.run.micro_batches + g), self.mode, self.grid)
+
     def run_step(self, step: int, trace: OpTrace | None = None):
-        """One step from the loaded state; returns (loss, batch)."""
+        """One step from the loaded state; returns (loss, batch). The batch of a data-parallel step is the list
+        of its micro-batches."""
         if self.at != step:
             raise RuntimeError(f"replayer holds the state after {self.at} steps, not {step}")
+        if self.run.micro_batches > 1:
+            return self._run_parallel_step(step, trace)
         reader = None
         if self.mode == "verified":
             try:
@@ -136,6 +146,28 @@ class Replayer:
         self.last_stats = stats
         return loss, batch
 
+    def _run_parallel_step(self, step: int, trace: OpTrace | None):
+        """A data-parallel step replayed in this one process: its micro-batches in order, then the update."""
+        from . import parallel
+
+        logs = _FetchedLogs(self, step) if self.mode == "verified" else parallel.PartLogs()
+        hooks = []
+        if trace is not None:
+            trace.add_sources(state_tensors(self.task), "state")
+            hooks = _module_hooks(trace, self.module_names)
+        try:
+            with using_device(self.device):
+                parts = parallel.run_step(self.task, self.engine, step, self.run.micro_batches, self.mode, self.grid,
+                                          logs, trace=trace, alone=True)
+        except LogFormatError as e:
+            raise store.RunError(f"step {step}: {e}") from None
+        finally:
+            for h in hooks:
+                h.remove()
+        self.ops_replayed += sum(st.ops for _, st in parts.stats)
+        self.at = step + 1
+        return parts.loss, [parts.batches[g] for g in range(self.run.micro_batches)]
+
     def state_hash(self) -> str:
         self.task.hold()
         return hash_state(self.task.model, self.task.optimizer, self.task.scheduler, self.at)
@@ -146,6 +178,33 @@ class Replayer:
             self.load(interval_start, start_state)
         while self.at < step:
             self.run_step(self.at)
+
+
+class _FetchedLogs:
+    """The logs of a data-parallel step's parts, from the replayer's ``log(step, micro)`` (checked there)."""
+
+    def __init__(self, rep: Replayer, step: int):
+        self.rep, self.step = rep, step
+
+    def writer(self, part):
+        return None
+
+    def reader(self, part):
+        return StepLogReader(self.rep._log(self.step, part), expect_step=self.step, expect_bits=self.rep.bits)
+
+    def sha256(self, part):
+        return hashlib.sha256(self.rep._log(self.step, part)).hexdigest()
+
+
+def batch_differs(record: dict, batch, micro_batches: int) -> bool:
+    """Whether a step's data record names other data than ``batch`` (a data-parallel step: the list of its
+    micro-batches, each against its entry)."""
+    if micro_batches == 1:
+        return record.get("batch_sha256") != batch_hash(batch)
+    entries = record.get("micro_batches")
+    if not isinstance(entries, list) or len(entries) != len(batch):
+        return True
+    return any(not isinstance(e, dict) or e.get("batch_sha256") != batch_hash(b) for e, b in zip(entries, batch))
 
 
 def batch_leaves(batch) -> dict:
@@ -187,7 +246,7 @@ class Prover(typing.Protocol):
     def node(self, lo: int, hi: int) -> bytes: ...
     def leaf(self, index: int) -> tuple[bytes, list[bytes]]: ...
     def checkpoint(self, step: int) -> bytes: ...
-    def log(self, step: int) -> bytes: ...
+    def log(self, step: int, micro: int | None = None) -> bytes: ...
     def init_log(self) -> bytes: ...
     def record(self, step: int) -> bytes: ...
     def state_after(self, step: int) -> str: ...
@@ -227,8 +286,10 @@ class LocalProver(Prover):
     def checkpoint(self, step):
         return self._read(store.ckpt_name(step))
 
-    def log(self, step):
-        return self._read(store.log_name(step))
+    def log(self, step, micro=None):
+        if micro is not None and not 0 <= micro < store.micro_batches(self._manifest):
+            raise ProverError(f"the run has no micro-batch {micro}")
+        return self._read(store.log_name(step) if micro is None else store.micro_log_name(step, micro))
 
     def init_log(self):
         return self._read(store.INIT_LOG)
@@ -516,7 +577,7 @@ class Challenger:
             for s in range(a, b):
                 loss, batch = rep.run_step(s)
                 states[s] = rep.state_hash()
-                if data_finding is None and records[s].get("batch_sha256") != batch_hash(batch):
+                if data_finding is None and batch_differs(records[s], batch, self.run.micro_batches):
                     data_finding = s
         self._interval = SimpleNamespace(i=i, a=a, b=b, info=info, start=start_state, records=records, logs=logs,
                                          rep=rep, states=states, data_finding=data_finding,
@@ -530,7 +591,7 @@ class Challenger:
         if c.data_finding is not None:
             s = c.data_finding
             v["reasons"].append(f"step {s}: the trainer's data record differs from what the task's "
-                                f"batch({s}) yields (it trained on other data than it claims)")
+                                f"{self._batches_of(s)} yields (it trained on other data than it claims)")
             v["data_step"] = s
         if a == b:
             v["verdict"] = "auditor_wrong"
@@ -554,7 +615,11 @@ class Challenger:
         if c.data_finding is not None and v["verdict"] != "trainer_wrong":
             v["verdict"] = "trainer_wrong"  # its own committed record says it consumed other data
             v["reasons"].append(f"step {c.data_finding}: the trainer's committed data record is not what "
-                                f"batch({c.data_finding}) yields, whatever the referee found at step {step}")
+                                f"{self._batches_of(c.data_finding)} yields, whatever the referee found at step {step}")
+
+    def _batches_of(self, s: int) -> str:
+        g = self.run.micro_batches
+        return f"batch({s})" if g == 1 else f"batch({s * g})..batch({s * g + g - 1}) (the micro-batches of step {s})"
 
     def _first_disputed_step(self, c: SimpleNamespace, lo: int, hi: int) -> int:
         """Bisection over per-step state hashes: the state after ``lo`` is agreed (``c.a - 1``: the
@@ -617,7 +682,9 @@ class Challenger:
         v.update(operator=mine["op"], operator_index=first_bad, module=mine.get("where"))
         own_call = trace.captured if upto == first_bad else self._own_call(c, step, first_bad, mine)
         prev = entries[first_bad - 2]["chain"] if first_bad > 1 else ""
-        self._apply(v, referee(self, rep, step, first_bad, mine, theirs, c.logs.get(step), own_call, prev))
+        if self.run.micro_batches > 1:  # a data-parallel step: the part (micro-batch or update) it lies in
+            v["micro_batch"] = parallel.part_of(mine.get("part", ""))
+        self._apply(v, referee(self, rep, step, first_bad, mine, theirs, _part_log(c, step, mine), own_call, prev))
         return "ruled", trace, answers
 
     def _own_call(self, c: SimpleNamespace, step: int, index: int, mine: dict) -> bytes:
@@ -703,7 +770,7 @@ class Challenger:
             return
         w.update(operator=mine["op"], operator_index=k, module=mine.get("where"))
         prev = trace.entries[k - 2]["chain"] if k > 1 else ""
-        self._apply(w, referee_suspicious(self, c.rep, s, k, mine, answers[k], c.logs.get(s), trace.captured,
+        self._apply(w, referee_suspicious(self, c.rep, s, k, mine, answers[k], _part_log(c, s, mine), trace.captured,
                                           prev, claim))
 
     def _checked_checkpoint(self, start_state, first_step):
@@ -718,15 +785,32 @@ class Challenger:
         return get
 
     def _checked_log(self, records, logs):
-        def get(step):
-            if step not in logs:
-                raw = self.ask(f"log {step}", self.p.log, step)
-                want = records[step].get("log_sha256")
-                if hashlib.sha256(raw).hexdigest() != want:
-                    raise _Lost(f"the prover's rounding log for step {step} does not match its committed record")
-                logs[step] = raw
-            return logs[step]
+        """The prover's logs, each checked against its committed record: ``logs[step]`` (a data-parallel step's
+        update), ``logs[(step, g)]`` (its micro-batch g)."""
+        def get(step, micro=None):
+            key = step if micro is None else (step, micro)
+            if key not in logs:
+                if micro is None:
+                    raw = self.ask(f"log {step}", self.p.log, step)
+                    want = records[step].get("log_sha256")
+                else:
+                    raw = self.ask(f"log {step} of micro-batch {micro}", self.p.log, step, micro)
+                    entries = records[step].get("micro_batches")
+                    want = entries[micro].get("log_sha256") if isinstance(entries, list) and micro < len(entries) \
+                        and isinstance(entries[micro], dict) else None
+                if not isinstance(raw, bytes) or hashlib.sha256(raw).hexdigest() != want:
+                    raise _Lost(f"the prover's rounding log for step {step}"
+                                f"{'' if micro is None else f', micro-batch {micro},'} does not match its committed record")
+                logs[key] = raw
+            return logs[key]
         return get
+
+
+def _part_log(c: SimpleNamespace, step: int, mine: dict) -> bytes | None:
+    """The committed log of the op stream an op of this side's trace ran in: the step's, or in a
+    data-parallel step its micro-batch's (the update's is the step's)."""
+    g = parallel.part_of(mine.get("part") or "")
+    return c.logs.get(step) if g is None else c.logs.get((step, g))
 
 
 def play(prover: Prover, audit: dict, root: str | None, policy: Policy, device="cpu") -> dict:
@@ -797,22 +881,27 @@ def referee(ch: Challenger, rep: Replayer, step: int, index: int, mine: dict, th
         if d_p == d_c:
             inputs.append(t)
             continue
-        if isinstance(src, str) and src.startswith("batch:"):
-            name = src[len("batch:"):]
-            if batch is None:
-                batch = batch_leaves(rep.batch(step))
-            truth = batch.get(name)
+        if isinstance(src, str) and (src.startswith("batch:") or src.startswith("batch/")):
+            # batch:NAME, or batch/g:NAME for micro-batch g of a data-parallel step
+            kind, _, name = src.partition(":")
+            if batch is None or batch[0] != kind:
+                g = parallel.part_of("micro/" + kind[len("batch/"):]) if kind != "batch" else None
+                batch = (kind, batch_leaves(rep.batch(step) if g is None else rep.micro_batch(step, g)))
+            truth = batch[1].get(name)
             if truth is not None and _digest(truth) == d_p:
                 inputs.append(t)  # exactly that tensor of batch(step): this side's input was the wrong one
                 continue
             if data_wrong is None:
-                data_wrong = (j, name)
+                g = parallel.part_of("micro/" + kind[len("batch/"):]) if kind != "batch" else None
+                data_wrong = (j, name, f"batch({step})" if g is None else
+                              f"batch({step * rep.run.micro_batches + g}) (micro-batch {g} of step {step})")
             inputs.append(truth if truth is not None else own[j])
             continue
         disputed.append(f"input {j} ({src or 'unknown source'})")
         inputs.append(own[j])
     try:
-        digests = recompute(rep, step, index, func, *_with_tensors(args, kwargs, inputs), random_index, log)
+        digests = recompute(rep, step, mine.get("index", index), func, *_with_tensors(args, kwargs, inputs),
+                            random_index, log, domain=mine.get("part", "op"))
     except (ReplayMismatchError, LogFormatError) as e:
         return {**out, "verdict": "trainer_wrong", "notes": notes,
                 "ruling": f"the trainer's log has no usable record for op {index} of step {step} ({e})"}
@@ -820,9 +909,9 @@ def referee(ch: Challenger, rep: Replayer, step: int, index: int, mine: dict, th
     gives = ("the auditor's" if digests == mine["outputs"] else
              "the trainer's" if digests == theirs.get("outputs") else "neither party's")
     if data_wrong is not None:
-        j, name = data_wrong
+        j, name, label = data_wrong
         return {**out, "verdict": "trainer_wrong", "input": j, "notes": notes,
-                "ruling": f"input {j} of {mine['op']} is not the tensor batch({step}) yields at {name}: the trainer "
+                "ruling": f"input {j} of {mine['op']} is not the tensor {label} yields at {name}: the trainer "
                           f"trained step {step} on other data than the task's (recomputed on that tensor, the op "
                           f"gives {gives} output)"}
     if disputed:
@@ -858,7 +947,8 @@ def referee_suspicious(ch: Challenger, rep: Replayer, step: int, index: int, min
     if log is None:
         return {**out, "verdict": None, "ruling": "the run has no rounding logs"}
     try:
-        digests, flagged = recompute_op(rep, step, index, func, *_with_tensors(args, kwargs, sent), random_index, log)
+        digests, flagged = recompute_op(rep, step, mine.get("index", index), func, *_with_tensors(args, kwargs, sent),
+                                        random_index, log, domain=mine.get("part", "op"))
     except (ReplayMismatchError, LogFormatError) as e:
         return {**out, "verdict": "trainer_wrong",
                 "ruling": f"the trainer's log has no usable record for op {index} of step {step} ({e})"}
@@ -886,9 +976,10 @@ def _with_tensors(args, kwargs, tensors):
     return tuple(a), dict(k)
 
 
-def recompute_op(rep: Replayer, step: int, index: int, func, args, kwargs, random_index: int, log: bytes | None):
-    """Evaluate one operator under the engine, positioned at op ``index`` of ``step`` with its log record.
-    Returns (output digests, the suspicious entries the engine flagged)."""
+def recompute_op(rep: Replayer, step: int, index: int, func, args, kwargs, random_index: int, log: bytes | None,
+                 domain: str = "op"):
+    """Evaluate one operator under the engine, positioned at op ``index`` of ``step``'s op stream ``domain`` (a
+    data-parallel step's part) with its log record. Returns (output digests, the suspicious entries flagged)."""
     record = None
     if log is not None:
         reader = StepLogReader(log, expect_step=step, expect_bits=rep.bits)
@@ -901,16 +992,17 @@ def recompute_op(rep: Replayer, step: int, index: int, func, args, kwargs, rando
             reader.close()
     trace = OpTrace()
     with step_context(rep.engine, step, reader=_OneRecord(record) if log is not None else None,
-                      trace=trace, check_trailing=False) as mode:
+                      trace=trace, check_trailing=False, domain=domain) as mode:
         mode.op_index = index - 1
         mode.random_index = random_index
         func(*args, **kwargs)
     return (trace.entries[-1]["outputs"] if trace.entries else None), list(mode.stats.suspicious)
 
 
-def recompute(rep: Replayer, step: int, index: int, func, args, kwargs, random_index: int, log: bytes | None):
+def recompute(rep: Replayer, step: int, index: int, func, args, kwargs, random_index: int, log: bytes | None,
+              domain: str = "op"):
     """The output digests of one operator evaluated alone (``recompute_op``)."""
-    return recompute_op(rep, step, index, func, args, kwargs, random_index, log)[0]
+    return recompute_op(rep, step, index, func, args, kwargs, random_index, log, domain)[0]
 
 
 class _OneRecord:

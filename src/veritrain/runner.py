@@ -16,13 +16,14 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from . import __version__, hardware, store
+from . import __version__, hardware, parallel, store
 from .checkpoint import CheckpointError, hash_state, load_checkpoint, save_checkpoint
 from .commitments import batch_hash
 from .engine import EngineConfig, ReplayMismatchError, UnsupportedOpError, step_context
@@ -184,6 +185,7 @@ class TrainOptions:
     progress: bool = True
     resume: bool = False
     device: str = "cpu"  # where steps run; nothing written depends on it
+    micro_batches: int = 1  # G > 1: a data-parallel run (parallel.py), whatever the number of processes
 
 
 def build_initial(ref: str, config: dict, engine: EngineConfig, writer=None, reader=None) -> Task:
@@ -225,11 +227,49 @@ def _new_manifest(opts: TrainOptions, config: dict, engine: EngineConfig) -> dic
         "versions": versions(), "hardware": hardware.describe(), "checkpoints": [], "leaves": [],
         "steps_completed": 0, "complete": False, "root": None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **({"micro_batches": opts.micro_batches} if opts.micro_batches > 1 else {}),
     }
 
 
-def _resume_state(opts: TrainOptions, device):
-    """(manifest, task, first step) of a run killed mid-way, restored from its last complete checkpoint."""
+def _resume_state(opts: TrainOptions, device, rank: int = 0):
+    """(manifest, task, first step) of a run killed mid-way, restored from its last complete checkpoint. In a
+    data-parallel run rank 0 reads the run and sends the other ranks what they need (the manifest, the
+    initialisation log, the checkpoint): they may be on machines without the run folder."""
+    if rank != 0:
+        return _resume_from_rank0(device)
+    m, task, step, gone = _resume_here(opts, device)
+    if parallel.world()[1] > 1:
+        parallel.broadcast_bytes(json.dumps(m).encode())
+        if m["mode"] == "verified":
+            parallel.broadcast_bytes(store.read_run_file(opts.out, INIT_LOG))
+        parallel.broadcast_bytes(store.read_run_file(opts.out, ckpt_name(step)))
+    return m, task, step, gone
+
+
+def _resume_from_rank0(device):
+    import tempfile
+
+    m = json.loads(parallel.broadcast_bytes(None))
+    engine = EngineConfig(mode=m["mode"], bits=int(m["bits"]), seed=int(m["seed"]), thresholds=m["thresholds"],
+                          slack=float(m.get("slack", 2.0)))
+    reader = None
+    if m["mode"] == "verified":
+        reader = StepLogReader(parallel.broadcast_bytes(None), expect_step=0, expect_bits=int(m["bits"]))
+    try:
+        task = build_initial(m["task"], m["config"], engine, reader=reader)
+    finally:
+        if reader is not None:
+            reader.close()
+    _prepare_model(task, m["mode"], Grid(int(m["bits"])))
+    place_task(task, device)
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(parallel.broadcast_bytes(None))
+        f.flush()
+        step, _ = load_checkpoint(f.name, task.model, task.optimizer, task.scheduler)
+    return m, task, step, []
+
+
+def _resume_here(opts: TrainOptions, device):
     m = load_manifest(opts.out)
     if m.get("complete"):
         raise RunError(f"{opts.out} is a complete run; nothing to resume")
@@ -269,6 +309,10 @@ def _resume_state(opts: TrainOptions, device):
             p = os.path.join(opts.out, name)
             if os.path.exists(p):
                 os.remove(p)
+    logs = os.path.join(opts.out, "logs")
+    for name in (os.listdir(logs) if "micro_batches" in m and os.path.isdir(logs) else []):
+        if re.fullmatch(r"step_[0-9]{8,}\.micro_[0-9]{5,}\.vtlog", name) and int(name[5:name.index(".")]) >= step:
+            os.remove(os.path.join(logs, name))  # micro-batch logs of the redone steps
     return m, task, step, gone
 
 
@@ -291,16 +335,20 @@ def _first_steps(steps: int) -> list[int]:
     return [0, 1, 0] if steps >= 2 else [0, 0] if steps == 1 else []
 
 
-def _check_batches(task: Task, engine: EngineConfig, steps, name: str, recorded=None) -> dict:
+def _check_batches(task: Task, engine: EngineConfig, steps, name: str, recorded=None, micro_batches: int = 1) -> dict:
     """data.check_pure_batches with batch(step) called as the training step calls it: in a fresh step context
     (random draws keyed by the step, float ops rounded) and prepared. TaskError when batch(step) is not a
-    pure function of the step: a run would pass a full audit but fail a partial one."""
+    pure function of the step: a run would pass a full audit but fail a partial one. In a data-parallel run
+    batch(k) is micro-batch k % G of step k // G, in that micro-batch's context."""
     from .data import check_pure_batches
 
     grid, last = Grid(engine.bits), {}
 
     def call(step):
-        with step_context(engine, step, writer=_DiscardLog() if engine.mode == "verified" else None) as st:
+        at, domain = (step, "op") if micro_batches == 1 else (step // micro_batches,
+                                                             parallel.micro_domain(step % micro_batches))
+        with step_context(engine, at, writer=_DiscardLog() if engine.mode == "verified" else None,
+                          domain=domain) as st:
             batch = _prepare_batch(task.batch(step), engine.mode, grid)
             last["work"] = _batch_work(st)
         return batch
@@ -363,88 +411,90 @@ def train(opts: TrainOptions, probe=None) -> dict:
 
 
 def _train(opts: TrainOptions, device, probe) -> dict:
+    rank, size = parallel.world()
     if opts.resume:
-        m, task, start, _ = _resume_state(opts, device)
+        m, task, start, _ = _resume_state(opts, device, rank)
         mode, bits = m["mode"], int(m["bits"])
         engine = EngineConfig(mode=mode, bits=bits, seed=int(m["seed"]), thresholds=m["thresholds"],
                               slack=float(m.get("slack", 2.0)))
     else:
         if opts.steps < 0 or opts.checkpoint_every <= 0:
             raise RunError("--steps must be >= 0 and --checkpoint-every > 0")
-        _check_new_run_dir(opts.out)
+        if not 1 <= opts.micro_batches <= store.MAX_MICRO_BATCHES:
+            raise RunError(f"--micro-batches must be in 1..{store.MAX_MICRO_BATCHES}, got {opts.micro_batches}")
+        parallel.assignment(opts.micro_batches, size)  # ValueError: more processes than micro-batches
         config = {**default_config(opts.task), **opts.config}
         engine = EngineConfig(mode=opts.mode, bits=opts.bits, seed=opts.seed, thresholds=dict(opts.thresholds or {}))
         mode, bits = opts.mode, opts.bits
-        created = not os.path.exists(opts.out)
-        os.makedirs(opts.out, exist_ok=True)
-        init_writer = StepLogWriter(os.path.join(opts.out, INIT_LOG), 0, bits) if mode == "verified" else None
-        try:
-            task = build_initial(opts.task, config, engine, writer=init_writer)
-            init_log = init_writer.close() if init_writer else None
+        if rank == 0:
+            task, m = _start_run(opts, config, engine, device)
+        # the other ranks build the initial state with rank 0's initialisation decisions (other hardware
+        # could decide otherwise), and take its manifest
+        m = json.loads(parallel.broadcast_bytes(json.dumps(m).encode() if rank == 0 else None))
+        if rank != 0:
+            reader = None
+            if mode == "verified":
+                reader = StepLogReader(parallel.broadcast_bytes(None), expect_step=0, expect_bits=bits)
+            try:
+                task = build_initial(opts.task, config, engine, reader=reader)
+            finally:
+                if reader is not None:
+                    reader.close()
             _prepare_model(task, mode, Grid(bits))
-            place_task(task, device)  # built on the CPU: the same initial state everywhere
-            _check_batches(task, engine, _first_steps(opts.steps), opts.task)  # before anything is committed
-        except BaseException:
-            if init_writer:
-                init_writer.abort()
-            # nothing of the run exists yet: leave the folder as it was, so the same command can be rerun
-            import shutil
-
-            shutil.rmtree(os.path.join(opts.out, "logs"), ignore_errors=True)
-            if created:
-                shutil.rmtree(opts.out, ignore_errors=True)
-            raise
-        m = _new_manifest(opts, config, engine)
-        m["init_log_sha256"] = init_log["sha256"] if init_log else None
-        digest = save_checkpoint(os.path.join(opts.out, ckpt_name(0)), task.model, task.optimizer, task.scheduler, 0)
-        m["checkpoints"].append({"step": 0, "file": ckpt_name(0), "state_sha256": digest,
-                                 "file_sha256": file_sha256(os.path.join(opts.out, ckpt_name(0)))})
-        m["initial_state_sha256"] = digest
-        store.save_manifest(opts.out, m)
+            place_task(task, device)
+        elif size > 1 and mode == "verified":
+            parallel.broadcast_bytes(store.read_run_file(opts.out, INIT_LOG))
         start = 0
+    num_micro = store.micro_batches(m)
+    parallel.assignment(num_micro, size)
     grid = Grid(bits)
     path = lambda name: os.path.join(opts.out, name)  # noqa: E731
     run_sha = store.run_sha256(m)
     every, steps = m["checkpoint_every"], m["steps"]
     record_hashes = []
     first_of_interval = (start // every) * every
-    for s in range(first_of_interval, start):  # a resumed run restarts at an interval boundary
-        record_hashes.append(file_sha256(path(record_name(s))))
-    bar = _progress(steps, "train", opts.progress, initial=start, every=every)
+    if rank == 0:
+        for s in range(first_of_interval, start):  # a resumed run restarts at an interval boundary
+            record_hashes.append(file_sha256(path(record_name(s))))
+    bar = _progress(steps, "train", opts.progress and rank == 0, initial=start, every=every)
     t_loop = time.perf_counter()
-    for step in range(start, steps):
-        writer = StepLogWriter(path(log_name(step)), step, bits) if mode == "verified" else None
-        try:
-            with step_context(engine, step, writer=writer, probe=probe) as st:
-                batch = _prepare_batch(task.batch(step), mode, grid)
-                work = _batch_work(st)
-                loss = task.run_step(batch)
-            log = writer.close() if writer else None
-        except BaseException:
-            if writer:
-                writer.abort()
-            raise
-        indices = task.batch_indices(step) if task.batch_indices else None
-        bh = batch_hash(batch)
-        rec = store.record_bytes(step, bh, indices, loss, log["sha256"] if log else None)
-        store.write_bytes_atomic(path(record_name(step)), rec)
-        record_hashes.append(hashlib.sha256(rec).hexdigest())
-        if step == start or step % every == 0:  # the interval's first step: called again at its checkpoint
-            first = {step: (bh, work)}
-        done = step + 1
-        if done % every == 0 or done == steps:
-            _check_batches(task, engine, list(first), m["task"], recorded=first)  # before the interval is committed
-            digest = save_checkpoint(path(ckpt_name(done)), task.model, task.optimizer, task.scheduler, done)
-            m["checkpoints"].append({"step": done, "file": ckpt_name(done), "state_sha256": digest,
-                                     "file_sha256": file_sha256(path(ckpt_name(done)))})
-            index = (done - 1) // every
-            m["leaves"].append(store.leaf_data(index, index * every, done, run_sha, digest, record_hashes).hex())
-            record_hashes = []
-            m["steps_completed"] = done
-            store.save_manifest(opts.out, m)
-        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # before update: a progress line shows this step's loss
-        bar.update(1)
+    scratch = _Scratch() if num_micro > 1 and mode == "verified" else None
+    try:
+        for step in range(start, steps):
+            if num_micro > 1:
+                loss, rec, first = _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, probe,
+                                                        path if rank == 0 else None)
+            else:
+                loss, rec, first = _train_step(task, engine, step, mode, grid, probe, path)
+            if rank == 0:
+                store.write_bytes_atomic(path(record_name(step)), rec)
+                record_hashes.append(hashlib.sha256(rec).hexdigest())
+            if step == start or step % every == 0:  # the interval's first step: called again at its checkpoint
+                first_call = {step: first}
+            done = step + 1
+            if done % every == 0 or done == steps:
+                if num_micro == 1:
+                    _check_batches(task, engine, list(first_call), m["task"], recorded=first_call)  # before commit
+                parallel.barrier()  # every rank has finished the interval: its state is the checkpoint's
+                if rank == 0:
+                    digest = save_checkpoint(path(ckpt_name(done)), task.model, task.optimizer, task.scheduler, done)
+                    m["checkpoints"].append({"step": done, "file": ckpt_name(done), "state_sha256": digest,
+                                             "file_sha256": file_sha256(path(ckpt_name(done)))})
+                    index = (done - 1) // every
+                    m["leaves"].append(store.leaf_data(index, index * every, done, run_sha, digest,
+                                                       record_hashes).hex())
+                    record_hashes = []
+                    m["steps_completed"] = done
+                    store.save_manifest(opts.out, m)
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # before update: a progress line shows this step's loss
+            bar.update(1)
+    finally:
+        if scratch is not None:
+            scratch.remove()
     bar.close()
+    parallel.barrier()
+    if rank != 0:
+        return m
     if steps == 0:  # one empty interval: the root commits to the initial state
         m["leaves"] = [store.leaf_data(0, 0, 0, run_sha, m["initial_state_sha256"], []).hex()]
     m["train_seconds"] = m.get("train_seconds", 0.0) + (time.perf_counter() - t_loop)  # not committed: informational
@@ -459,6 +509,101 @@ def _train(opts: TrainOptions, device, probe) -> dict:
         m["evaluation"] = task.evaluate(model)
     store.save_manifest(opts.out, m)
     return m
+
+
+def _start_run(opts: TrainOptions, config: dict, engine: EngineConfig, device):
+    """A new run's folder: the initial state built under the engine (its log), checkpoint 0, the manifest."""
+    mode, bits = opts.mode, opts.bits
+    _check_new_run_dir(opts.out)
+    created = not os.path.exists(opts.out)
+    os.makedirs(opts.out, exist_ok=True)
+    init_writer = StepLogWriter(os.path.join(opts.out, INIT_LOG), 0, bits) if mode == "verified" else None
+    try:
+        task = build_initial(opts.task, config, engine, writer=init_writer)
+        init_log = init_writer.close() if init_writer else None
+        _prepare_model(task, mode, Grid(bits))
+        place_task(task, device)  # built on the CPU: the same initial state everywhere
+        if opts.micro_batches > 1:
+            _check_batches(task, engine, _first_steps(opts.steps * opts.micro_batches), opts.task,
+                           micro_batches=opts.micro_batches)
+            if task.loss is None:
+                raise TaskError("a data-parallel run (--micro-batches > 1) needs a task with loss=: veritrain runs "
+                                "each micro-batch's backward and the optimizer step itself")
+        else:
+            _check_batches(task, engine, _first_steps(opts.steps), opts.task)  # before anything is committed
+    except BaseException:
+        if init_writer:
+            init_writer.abort()
+        # nothing of the run exists yet: leave the folder as it was, so the same command can be rerun
+        import shutil
+
+        shutil.rmtree(os.path.join(opts.out, "logs"), ignore_errors=True)
+        if created:
+            shutil.rmtree(opts.out, ignore_errors=True)
+        raise
+    m = _new_manifest(opts, config, engine)
+    m["init_log_sha256"] = init_log["sha256"] if init_log else None
+    digest = save_checkpoint(os.path.join(opts.out, ckpt_name(0)), task.model, task.optimizer, task.scheduler, 0)
+    m["checkpoints"].append({"step": 0, "file": ckpt_name(0), "state_sha256": digest,
+                             "file_sha256": file_sha256(os.path.join(opts.out, ckpt_name(0)))})
+    m["initial_state_sha256"] = digest
+    store.save_manifest(opts.out, m)
+    return task, m
+
+
+def _train_step(task, engine, step, mode, grid, probe, path):
+    """One step of a one-process run: (loss, its data record, (batch hash, batch work) for _check_batches)."""
+    writer = StepLogWriter(path(log_name(step)), step, grid.bits) if mode == "verified" else None
+    try:
+        with step_context(engine, step, writer=writer, probe=probe) as st:
+            batch = _prepare_batch(task.batch(step), mode, grid)
+            work = _batch_work(st)
+            loss = task.run_step(batch)
+        log = writer.close() if writer else None
+    except BaseException:
+        if writer:
+            writer.abort()
+        raise
+    indices = task.batch_indices(step) if task.batch_indices else None
+    bh = batch_hash(batch)
+    return loss, store.record_bytes(step, bh, indices, loss, log["sha256"] if log else None), (bh, work)
+
+
+class _Scratch(parallel.PartLogs):
+    """A trainer process's own folder for the logs of the parts it runs (they go to rank 0, which writes the
+    run: the ranks may be on machines that do not share the run folder)."""
+
+    def __init__(self):
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="veritrain-parts-")
+        self.step, self.bits = 0, 32
+
+    def writer(self, part):
+        name = f"update-{self.step}.vtlog" if part is None else f"micro-{self.step}-{part}.vtlog"
+        return StepLogWriter(os.path.join(self.dir, name), self.step, self.bits)
+
+    def remove(self):
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, probe, path):
+    """One step of a data-parallel run on this process's share; ``path`` (rank 0) writes the step's logs.
+    Returns (loss, the step's data record, the first micro-batch's hash for _check_batches)."""
+    if scratch is not None:
+        scratch.step, scratch.bits = step, grid.bits
+    parts = parallel.run_step(task, engine, step, num_micro, mode, grid, scratch or parallel.PartLogs(), probe=probe)
+    if path is not None:
+        for g, mb in enumerate(parts.micro):
+            if mb.get("log") is not None:
+                store.write_bytes_atomic(path(store.micro_log_name(step, g)), mb["log"])
+        if parts.update_log is not None:
+            store.write_bytes_atomic(path(log_name(step)), parts.update_log)
+    update_sha = hashlib.sha256(parts.update_log).hexdigest() if parts.update_log is not None else None
+    rec = store.parallel_record_bytes(step, parts.micro, parts.loss, update_sha)
+    return parts.loss, rec, None
 
 
 @dataclass
@@ -549,7 +694,17 @@ def _audit(run_dir, out_dir, progress, probe, intervals, sample, sample_seed, ro
     policy = policy or Policy.from_options(root=root)
     m = load_manifest(run_dir)
     run = policy.admit(m)
-    plan = AuditPlan(run_dir, m, run, root, out_dir, intervals, sample, sample_seed)
+    rank, size = parallel.world()
+    if size > 1:  # an audit on several processes: each replays its share of every step's micro-batches
+        if run.micro_batches == 1:
+            raise RunError(f"{run_dir} is a run of one micro-batch per step: audit it with one process")
+        parallel.assignment(run.micro_batches, size)
+        if sample is not None and sample_seed is None:  # one draw, rank 0's, for every rank
+            import secrets
+
+            sample_seed = json.loads(parallel.broadcast_bytes(json.dumps(secrets.randbits(63)).encode()))
+    plan = AuditPlan(run_dir, m, run, root, out_dir if rank == 0 else None, intervals, sample, sample_seed)
+    plan.todo = json.loads(parallel.broadcast_bytes(json.dumps(plan.todo).encode()))  # rank 0 kept the progress
     if source_hash(run.task) != m.get("task_source_sha256"):  # the trainer must have run this code
         raise RunRejected(f"the source of task {run.task} differs from the trainer's (sha256 mismatch); "
                           f"audit with the same task code")
@@ -558,7 +713,8 @@ def _audit(run_dir, out_dir, progress, probe, intervals, sample, sample_seed, ro
     task, init_reasons = _rebuild_initial_state(run_dir, m, run, engine)
     place_task(task, device)  # after the initial state is hashed: it is built on the CPU
     plan.init_reasons = init_reasons
-    bar = _progress(plan.steps_chosen, "audit", progress, initial=plan.steps_done, every=run.checkpoint_every)
+    bar = _progress(plan.steps_chosen, "audit", progress and rank == 0, initial=plan.steps_done,
+                    every=run.checkpoint_every)
     for i in plan.todo:
         a, b = plan.spans[i]
         plan.add(_audit_interval(run_dir, m, task, engine, grid, i, a, b, plan.leaves, plan.tree, plan.root,
@@ -663,7 +819,7 @@ def _add_freedom(total: dict, more: dict) -> dict:
 def unverified_fields(m: dict) -> dict:
     """Manifest fields that no commitment covers (the trainer may have written anything there): shown
     as the trainer's claims, never as audited facts. ``veritrain eval`` recomputes the evaluation."""
-    committed = set(store.RUN_FIELDS) | {"checkpoints", "leaves", "root", "manifest_sha256", "steps_completed",
+    committed = set(store.RUN_FIELDS) | {"micro_batches", "checkpoints", "leaves", "root", "manifest_sha256", "steps_completed",
                                          "complete"}
     return {k: v for k, v in m.items() if k not in committed}
 
@@ -774,6 +930,34 @@ class IntervalReplay:
             return False, None
         return True, reader
 
+    def open_parallel_step(self, step, num_micro):
+        """``open_step`` for a data-parallel run: (ok, PartLogs) with every part's checked log."""
+        ok, reader = self.open_step(step)
+        if not ok:
+            return False, None
+        rec = self.trainer_rec or {}
+        micro = rec.get("micro_batches")
+        if not isinstance(micro, list) or len(micro) != num_micro or not all(isinstance(x, dict) for x in micro):
+            self.out["reasons"].append(f"step {step}: the trainer's data record does not list the run's "
+                                       f"{num_micro} micro-batches")
+            return False, None
+        if self.mode != "verified":
+            return True, parallel.PartLogs()
+        logs = _ReplayLogs(step, self.bits, reader)
+        for g, x in enumerate(micro):
+            name = store.micro_log_name(step, g)
+            try:
+                raw = store.read_run_file(self.run_dir, name)
+            except store.RunFileError as e:
+                self.out["reasons"].append(f"step {step}: rounding log {e}")
+                return False, None
+            if hashlib.sha256(raw).hexdigest() != x.get("log_sha256"):
+                self.out["reasons"].append(f"step {step}: {os.path.join(self.run_dir, name)} is not the log the "
+                                           f"trainer committed to (altered, truncated or replaced)")
+                return False, None
+            logs.raw[g] = raw
+        return True, logs
+
     def close_step(self, step, stats, batch, indices, loss):
         """Count the replayed step's corrections and suspicious entries; compare its data record."""
         out = self.out
@@ -787,6 +971,24 @@ class IntervalReplay:
         if self.trainer_rec is not None and self.trainer_rec.get("batch_sha256") != bh:
             out["reasons"].append(f"step {step}: the trainer's data record differs from what batch({step}) yields")
         self.record_hashes.append(hashlib.sha256(store.record_bytes(step, bh, indices, loss, self.log_sha)).hexdigest())
+
+    def close_parallel_step(self, step, parts: "parallel.StepParts"):
+        """``close_step`` for a data-parallel step: every rank's statistics, each micro-batch's data."""
+        out = self.out
+        for st in _gather_stats(parts.stats):
+            for k in out["corrections"]:
+                out["corrections"][k] += st["corrections"][k]
+            out["suspicious"] += st["suspicious"]
+            out["suspicious_details"] += st["details"][: max(0, 50 - len(out["suspicious_details"]))]
+            out["entries"] += st["entries"]
+            _add_freedom(out["freedom"], st["freedom"])
+        theirs = (self.trainer_rec or {}).get("micro_batches") or []
+        for g, (x, y) in enumerate(zip(parts.micro, theirs)):
+            if x["batch_sha256"] != y.get("batch_sha256"):
+                out["reasons"].append(f"step {step}: the trainer's data record of micro-batch {g} differs from what "
+                                      f"batch({step * len(parts.micro) + g}) yields")
+        rec = store.parallel_record_bytes(step, parts.micro, parts.loss, self.log_sha)
+        self.record_hashes.append(hashlib.sha256(rec).hexdigest())
 
     def finish(self) -> dict:
         """After the last step: the state against the committed one, and this replay's leaf against the root."""
@@ -808,13 +1010,65 @@ class IntervalReplay:
         return out
 
 
+class _ReplayLogs(parallel.PartLogs):
+    """The committed logs of one data-parallel step, for its replay: micro-batch g's and the update's."""
+
+    def __init__(self, step, bits, update_reader):
+        self.step, self.bits, self.update_reader, self.raw = step, bits, update_reader, {}
+
+    def reader(self, part):
+        if part is None:
+            return self.update_reader
+        return StepLogReader(self.raw[part], expect_step=self.step, expect_bits=self.bits)
+
+    def sha256(self, part):
+        return hashlib.sha256(self.raw[part]).hexdigest()
+
+
+def _gather_stats(stats) -> list[dict]:
+    """The engine statistics of a data-parallel step's parts from every rank, as dicts in the step's op
+    order (micro-batches 0..G-1, then the update, counted once). A suspicious entry's ``op_index`` becomes
+    its position in the whole step, as the verification game numbers ops (``part`` names the part)."""
+    import torch.distributed as dist
+
+    rank, size = parallel.world()
+    mine = [(g, {"corrections": dict(st.corrections), "suspicious": st.suspicious_count, "entries": st.entries_total,
+                 "details": [d.__dict__ for d in st.suspicious][:50], "freedom": st.freedom(), "ops": st.ops})
+            for g, st in stats if g is not None or rank == 0]
+    if size > 1:
+        out = [None] * size
+        dist.all_gather_object(out, mine)
+        mine = [x for r in out for x in r]
+    parts = sorted(mine, key=lambda x: (x[0] is None, x[0] or 0))
+    offset = 0
+    for g, st in parts:
+        for d in st["details"]:
+            d["op_index"] += offset
+            d["part"] = "update" if g is None else parallel.micro_domain(g)
+        offset += st["ops"]
+    return [st for _, st in parts]
+
+
 def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root, run_sha, probe, bar) -> dict:
     """Replay steps [a, b) with the task from the committed checkpoint after a steps; compare with leaf i."""
     iv = IntervalReplay(run_dir, m, (task.model, task.optimizer, task.scheduler), engine, i, a, b, leaves, tree,
                         root, run_sha)
     if not iv.start():
         return iv.out
+    num_micro = store.micro_batches(m)
     for step in range(a, b):
+        if num_micro > 1:
+            ok, logs = iv.open_parallel_step(step, num_micro)
+            if not ok:
+                break
+            try:
+                parts = parallel.run_step(task, engine, step, num_micro, m["mode"], grid, logs, probe=probe)
+            except (ReplayMismatchError, LogFormatError) as e:
+                iv.out["reasons"].append(str(e))
+                break
+            iv.close_parallel_step(step, parts)
+            bar.update(1)
+            continue
         ok, reader = iv.open_step(step)
         if not ok:
             break

@@ -3,7 +3,7 @@
     GET /manifest                     JSON manifest
     GET /node?lo=&hi=                 {"hash": hex}          subtree hash of leaves [lo, hi)
     GET /leaf?index=                  {"data": hex, "proof": [hex, ...]}
-    GET /checkpoint|log|record?step=  the file's bytes
+    GET /checkpoint|log|record?step=  the file's bytes (/log?step=&micro=: a micro-batch's log)
     GET /state_after?step=            {"state_sha256": hex}  (the prover replays the step)
     GET /op_count?step=               {"count": n}
     GET /op?step=&index=              {"op", "where", "args", "random_index", "inputs", "sources",
@@ -70,6 +70,8 @@ def make_server(prover: Prover, host: str = "127.0.0.1", port: int = 0) -> Threa
                     if route == "leaf":
                         data, proof = prover.leaf(ints["index"])
                         return self._json(200, {"data": data.hex(), "proof": [p.hex() for p in proof]})
+                    if route == "log" and "micro" in ints:  # a micro-batch's log (data-parallel runs)
+                        return self._send(200, prover.log(ints["step"], ints["micro"]), "application/octet-stream")
                     if route in ("checkpoint", "log", "record"):
                         return self._send(200, getattr(prover, route)(ints["step"]), "application/octet-stream")
                     if route == "init_log":
@@ -204,8 +206,8 @@ class HttpProver(Prover):
     def checkpoint(self, step):
         return self._get("checkpoint", step=step)
 
-    def log(self, step):
-        return self._get("log", step=step)
+    def log(self, step, micro=None):
+        return self._get("log", step=step) if micro is None else self._get("log", step=step, micro=micro)
 
     def init_log(self):
         return self._get("init_log")

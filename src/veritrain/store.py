@@ -23,6 +23,7 @@ from .merkle import MerkleTree, leaf_hash
 MANIFEST = "manifest.json"
 FORMAT = "veritrain-run/2"
 LEAF_TAG = b"veritrain-leaf/1\0"
+MAX_MICRO_BATCHES = 4096  # per step of a data-parallel run: each is a log file and a record entry
 RUN_FIELDS = ("format", "task", "task_source_sha256", "config", "seed", "mode", "bits", "thresholds", "slack",
               "steps", "checkpoint_every", "initial_state_sha256", "init_log_sha256")
 
@@ -42,6 +43,11 @@ def ckpt_name(step: int) -> str:
 
 def log_name(step: int) -> str:
     return f"logs/step_{step:08d}.vtlog"
+
+
+def micro_log_name(step: int, micro: int) -> str:
+    """The rounding log of micro-batch ``micro`` of ``step`` in a data-parallel run (docs/DISTRIBUTED.md)."""
+    return f"logs/step_{step:08d}.micro_{micro:05d}.vtlog"
 
 
 INIT_LOG = "logs/init.vtlog"  # the rounding log of building the task (its random initialisation)
@@ -123,7 +129,7 @@ MAX_RECORD_BYTES = 1 << 20
 MAX_LOG_BYTES = 1 << 30
 MAX_CHECKPOINT_BYTES = 64 << 30
 RUN_SUBDIRS = ("checkpoints", "logs", "records")
-_CANONICAL = re.compile(r"manifest\.json|checkpoints/step_[0-9]{8,}\.safetensors|logs/step_[0-9]{8,}\.vtlog"
+_CANONICAL = re.compile(r"manifest\.json|checkpoints/step_[0-9]{8,}\.safetensors|logs/step_[0-9]{8,}(\.micro_[0-9]{5,})?\.vtlog"
                         r"|logs/init\.vtlog|records/step_[0-9]{8,}\.json")
 _KINDS = {"manifest.json": ("manifest", MAX_MANIFEST_BYTES), "records": ("data record", MAX_RECORD_BYTES),
           "logs": ("rounding log", MAX_LOG_BYTES), "checkpoints": ("checkpoint", MAX_CHECKPOINT_BYTES)}
@@ -341,6 +347,11 @@ def load_manifest(run_dir: str, check_digest: bool = True) -> dict:
             raise RunRejected(f"{p}: field {key!r} is missing or not a {typ.__name__}")
     if m["steps"] < 0 or m["checkpoint_every"] <= 0:
         raise RunRejected(f"{p}: steps must be >= 0 and checkpoint_every > 0")
+    if "micro_batches" in m:
+        g = m["micro_batches"]
+        if isinstance(g, bool) or not isinstance(g, int) or not 2 <= g <= MAX_MICRO_BATCHES:
+            raise RunRejected(f"{p}: field 'micro_batches' is {str(g)[:40]!r}, not a whole number in "
+                              f"2..{MAX_MICRO_BATCHES} (a run of one micro-batch per step has no such field)")
     for c in m["checkpoints"]:
         if not (isinstance(c, dict) and isinstance(c.get("step"), int) and not isinstance(c.get("step"), bool)
                 and c["step"] >= 0 and isinstance(c.get("file"), str) and isinstance(c.get("state_sha256"), str)):
@@ -354,7 +365,15 @@ def load_manifest(run_dir: str, check_digest: bool = True) -> dict:
 
 
 def run_description(manifest: dict) -> dict:
-    return {k: manifest.get(k) for k in RUN_FIELDS}
+    d = {k: manifest.get(k) for k in RUN_FIELDS}
+    if "micro_batches" in manifest:  # data-parallel runs only, so that other runs keep their run hash
+        d["micro_batches"] = manifest["micro_batches"]
+    return d
+
+
+def micro_batches(manifest: dict) -> int:
+    """G, the number of micro-batches per step of a data-parallel run; 1 for other runs."""
+    return int(manifest.get("micro_batches", 1))
 
 
 def run_sha256(manifest: dict) -> bytes:
@@ -368,6 +387,14 @@ def record_bytes(step: int, batch_sha256: str, batch_indices, loss: float, log_s
     """A step's data record, as canonical JSON: trainer and auditor build the same bytes."""
     return canonical_json({"step": step, "batch_sha256": batch_sha256, "batch_indices": batch_indices,
                            "loss": loss, "log_sha256": log_sha256}) + b"\n"
+
+
+def parallel_record_bytes(step: int, micro: list[dict], loss: float, log_sha256: str | None) -> bytes:
+    """A data-parallel step's data record: per micro-batch (in micro-batch order) its batch hash, indices, loss
+    and log hash; the step's loss (the micro-batch losses' mean) and the hash of the update's log."""
+    keys = ("batch_sha256", "batch_indices", "loss", "log_sha256")
+    return canonical_json({"step": step, "micro_batches": [{k: m[k] for k in keys} for m in micro], "loss": loss,
+                           "log_sha256": log_sha256}) + b"\n"
 
 
 def interval_count(steps: int, every: int) -> int:
@@ -497,6 +524,14 @@ def verify(run_dir: str, root: str | None = None) -> dict:
         if verified:
             _verify_log(run_dir, log_name(s), rec.get("log_sha256"), s, m["bits"], bad,
                         "its SHA-256 differs from the one in its data record")
+        if "micro_batches" in m:
+            micro = rec.get("micro_batches")
+            if not isinstance(micro, list) or len(micro) != micro_batches(m) or not all(isinstance(x, dict) for x in micro):
+                bad(name, f"does not list the run's {micro_batches(m)} micro-batches")
+            elif verified:
+                for g, x in enumerate(micro):
+                    _verify_log(run_dir, micro_log_name(s, g), x.get("log_sha256"), s, m["bits"], bad,
+                                "its SHA-256 differs from the one in its step's data record")
     # every record file against its hash in a leaf, the leaves against the root
     run_sha = run_sha256(m).hex()
     spans = intervals(steps, m["checkpoint_every"])

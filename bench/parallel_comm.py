@@ -1,9 +1,12 @@
-"""Communication of veritrain's data-parallel step (veritrain.parallel) against DistributedDataParallel's.
+"""Communication of veritrain's data-parallel reduction (veritrain.parallel) against DistributedDataParallel's.
 
-DDP all-reduces the P float32 gradient values of a step; veritrain all-gathers the G micro-batch gradients
-(G x P float32 values arrive at every rank) so that every rank sums the same tensors in the same order.
-This measures both with gloo on this machine, N processes, for a few P and G: medians of --repeats
-collectives, and their ratio, measured in the same processes. Appends a section to bench/RESULTS.md.
+DDP all-reduces the P float32 gradient values of a step. veritrain's reduction must add the G micro-batch
+gradients in micro-batch order in float64, whichever rank holds them; two ways: all-gather them (G x P
+float32 values arrive at every rank, each sums them), or the chained running sum (rank r continues ranks
+0..r-1's float64 sum over its block, chunk by chunk, and the last rank broadcasts the rounded result). This
+measures the three with gloo on this machine, N processes, for a few P and G: medians of --repeats rounds,
+and the ratios to the all-reduce, paired round by round in the same processes. Appends a section to
+bench/RESULTS.md.
 
     python bench/parallel_comm.py --world 2 --sizes 1e6,6.6e6 --micro 2,4,8
 """
@@ -26,6 +29,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def worker(rank, world, store, sizes, micro, repeats, out):
     from veritrain import parallel
+    from veritrain.rounding import Grid
+
+    grid = Grid(32)
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -34,18 +40,23 @@ def worker(rank, world, store, sizes, micro, repeats, out):
         grad = torch.randn(p)
         for g in micro:
             mine = {i: torch.randn(p) for i in parallel.assignment(g, world)[rank]}
-            t_reduce, t_gather = [], []
-            for _ in range(repeats):  # alternate, so that load on the machine hits both alike
+            t_reduce, t_gather, t_chain = [], [], []
+            for _ in range(repeats):  # alternate, so that load on the machine hits all three alike
                 dist.barrier()
                 t0 = time.perf_counter()
                 dist.all_reduce(grad)
                 t_reduce.append(time.perf_counter() - t0)
                 dist.barrier()
                 t0 = time.perf_counter()
-                parallel.gather(mine, g)
+                parallel.reduce_in_order(parallel.gather(mine, g), grid, g)
                 t_gather.append(time.perf_counter() - t0)
-            ratios = [b / a for a, b in zip(t_reduce, t_gather)]
-            rows.append((p, g, statistics.median(t_reduce), statistics.median(t_gather), statistics.median(ratios)))
+                dist.barrier()
+                t0 = time.perf_counter()
+                parallel.chained_reduce(mine, g, grid)
+                t_chain.append(time.perf_counter() - t0)
+            rows.append((p, g, statistics.median(t_reduce), statistics.median(t_gather), statistics.median(t_chain),
+                         statistics.median([b / a for a, b in zip(t_reduce, t_gather)]),
+                         statistics.median([c / a for a, c in zip(t_reduce, t_chain)])))
     if rank == 0:
         torch.save(rows, out)
     dist.destroy_process_group()
@@ -78,16 +89,16 @@ def main():
              f"Command: `python bench/parallel_comm.py --world {args.world} --sizes {args.sizes} --micro {args.micro} "
              f"--repeats {args.repeats}` ({time.strftime('%Y-%m-%d')}). Machine: {_cpu()}, "
              f"{os.cpu_count()} cores, torch {torch.__version__}, gloo, {args.world} processes of 1 thread.\n",
-             "| parameters P | micro-batches G | DDP all-reduce of P float32 (median) | veritrain all-gather of "
-             "G x P float32 (median) | ratio (median of same-round pairs) |", "| --- | --- | --- | --- | --- |"]
-    for p, g, a, b, r in rows:
-        lines.append(f"| {p:.3g} | {g} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | {r:.2f}x |")
-    lines.append("\nThe all-gather carries G x P values to every rank, the ring all-reduce about 2 x P: the cost "
-                 "grows with G. It is what world-size independence costs on the wire (a rank's float64 partial sum "
-                 "would depend on which micro-batches it held). A cheaper order-preserving alternative to measure "
-                 "next: with contiguous blocks, rank r adds its micro-batches to the float64 running sum of ranks "
-                 "0..r-1 and passes it on (chunked, pipelined): the same float64 additions in the same order, about "
-                 "2 x P float64 per rank whatever G.\n")
+             "| parameters P | micro-batches G | DDP all-reduce of P float32 | all-gather of G x P float32, then "
+             "the sum | chained float64 running sum, then broadcast | all-gather / all-reduce | chained / all-reduce |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for p, g, a, b, c, rb, rc in rows:
+        lines.append(f"| {p:.3g} | {g} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | {c * 1e3:.1f} ms | {rb:.2f}x | "
+                     f"{rc:.2f}x |")
+    lines.append("\nBoth veritrain reductions give the same bits (the same float64 additions in the same order); "
+                 "times include the float64 additions and the rounding. The all-gather carries G x P values to every "
+                 "rank, so its cost grows with G; the chained sum sends about 8 x P bytes and receives 4 x P per "
+                 "rank whatever G, one hop per rank (pipelined by chunks of 2^20 values).\n")
     text = "\n".join(lines)
     print(text)
     with open(args.results, "a") as f:

@@ -57,6 +57,54 @@ def test_plain_ddp_in_float32_differs_between_one_and_two_processes(tmp_path):
     assert differing > 0, p.stdout  # the same seed, data and steps; other weights
 
 
+CHAIN_SCRIPT = '''
+import sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from veritrain import parallel
+from veritrain.rounding import Grid
+
+G, P = 5, 3000
+
+def vectors():
+    gen = torch.Generator().manual_seed(0)
+    # a large gradient that a later one cancels: float64 sums are not all exact, and the order matters
+    big = torch.randn(P, generator=gen) * 2.0 ** 40
+    return [big, torch.randn(P, generator=gen), -big, torch.randn(P, generator=gen), torch.randn(P, generator=gen)]
+
+def worker(rank, world, store, out):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    v = vectors()
+    mine = {g: v[g] for g in parallel.assignment(G, world)[rank]}
+    chained = parallel.chained_reduce(mine, G, Grid(32), chunk=1000)
+    gathered = parallel.reduce_in_order(parallel.gather(mine, G), Grid(32), G)
+    torch.save((chained, gathered), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    d = sys.argv[1]
+    alone = parallel.reduce_in_order(vectors(), Grid(32), G)
+    v = vectors()
+    shuffled = parallel.reduce_in_order([v[0], v[2], v[1], v[3], v[4]], Grid(32), G)
+    ok = True
+    for world in (2, 3):
+        mp.spawn(worker, args=(world, f"{d}/store{world}", f"{d}/r{world}"), nprocs=world)
+        for r in range(world):
+            c, g = torch.load(f"{d}/r{world}.{r}")
+            ok &= torch.equal(c.view(torch.int32), alone.view(torch.int32)) and torch.equal(g.view(torch.int32), alone.view(torch.int32))
+    print("equal", ok, "order_matters", not torch.equal(alone, shuffled))
+'''
+
+
+def test_the_chained_sum_and_the_all_gather_give_one_processs_bits(tmp_path):
+    """Both ways of reducing across ranks make the same float64 additions in micro-batch order as one process:
+    the same bits for 2 and 3 processes, on every rank, on vectors where the order of additions matters."""
+    (tmp_path / "chain.py").write_text(CHAIN_SCRIPT)
+    p = subprocess.run([sys.executable, str(tmp_path / "chain.py"), str(tmp_path)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["equal", "True", "order_matters", "True"], p.stdout
+
+
 def test_micro_batches_are_shared_out_in_contiguous_blocks():
     import pytest
 

@@ -20,6 +20,8 @@ slack, initial state — comes from the auditor's own **policy**: a contract the
                          be smaller                                       its own
     initial state        contract's hash, else rebuilt by the auditor     rejected
                          (task built under the engine, runner.py)
+    micro_batches        contract (else: the run's, 2..4096; absent       refused
+                         means one micro-batch per step)
 
 docs/SECURITY.md has the threat model this implements.
 """

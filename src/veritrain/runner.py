@@ -457,13 +457,14 @@ def _train(opts: TrainOptions, device, probe) -> dict:
         for s in range(first_of_interval, start):  # a resumed run restarts at an interval boundary
             record_hashes.append(file_sha256(path(record_name(s))))
     bar = _progress(steps, "train", opts.progress and rank == 0, initial=start, every=every)
-    t_loop = time.perf_counter()
+    t_loop, comm = time.perf_counter(), 0.0
     scratch = _Scratch() if num_micro > 1 and mode == "verified" else None
     try:
         for step in range(start, steps):
             if num_micro > 1:
-                loss, rec, first = _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, probe,
-                                                        path if rank == 0 else None)
+                loss, rec, seconds = _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, probe,
+                                                          path if rank == 0 else None)
+                comm, first = comm + seconds, None
             else:
                 loss, rec, first = _train_step(task, engine, step, mode, grid, probe, path)
             if rank == 0:
@@ -498,6 +499,8 @@ def _train(opts: TrainOptions, device, probe) -> dict:
     if steps == 0:  # one empty interval: the root commits to the initial state
         m["leaves"] = [store.leaf_data(0, 0, 0, run_sha, m["initial_state_sha256"], []).hex()]
     m["train_seconds"] = m.get("train_seconds", 0.0) + (time.perf_counter() - t_loop)  # not committed: informational
+    if num_micro > 1:  # rank 0's time in the step's collectives (informational, like train_seconds)
+        m["train_comm_seconds"] = m.get("train_comm_seconds", 0.0) + comm
     m["steps_completed"] = steps
     m["root"] = store.tree_of([bytes.fromhex(x) for x in m["leaves"]]).root().hex()
     m["complete"] = True
@@ -591,7 +594,7 @@ class _Scratch(parallel.PartLogs):
 
 def _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, probe, path):
     """One step of a data-parallel run on this process's share; ``path`` (rank 0) writes the step's logs.
-    Returns (loss, the step's data record, the first micro-batch's hash for _check_batches)."""
+    Returns (loss, the step's data record, the seconds spent in its collectives)."""
     if scratch is not None:
         scratch.step, scratch.bits = step, grid.bits
     parts = parallel.run_step(task, engine, step, num_micro, mode, grid, scratch or parallel.PartLogs(), probe=probe)
@@ -603,7 +606,7 @@ def _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, pro
             store.write_bytes_atomic(path(log_name(step)), parts.update_log)
     update_sha = hashlib.sha256(parts.update_log).hexdigest() if parts.update_log is not None else None
     rec = store.parallel_record_bytes(step, parts.micro, parts.loss, update_sha)
-    return parts.loss, rec, None
+    return parts.loss, rec, parts.comm_seconds
 
 
 @dataclass

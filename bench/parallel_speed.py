@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from parallel_comm import _cpu  # noqa: E402 - bench/ is the script's folder
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAKESPEARE = os.path.join(HERE, "..", "..", "shared", "data", "shakespeare.txt")
 G = 4
@@ -45,14 +47,6 @@ def run(task_args, key, size, nproc, micro_batches, steps, out):
     with open(os.path.join(out, "manifest.json")) as f:
         m = json.load(f)
     return m["train_seconds"] / steps, m.get("train_comm_seconds", 0.0) / steps
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "CPU"
 
 
 def main():

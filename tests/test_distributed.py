@@ -338,3 +338,26 @@ def test_torchrun_launches_the_same_run(digits_run, tmp_path):
                        capture_output=True, text=True, timeout=900, env={**os.environ, **ENV})
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["root"] == two["root"]
+
+
+def test_inspect_counts_every_micro_batch_log(digits_run):
+    run, _, _ = digits_run
+    p = cli("inspect", run, "--json")
+    r = json.loads(p.stdout)
+    logs = run / "logs"
+    sizes = sum(f.stat().st_size for f in logs.iterdir() if f.name != "init.vtlog")
+    assert r["micro_batches"] == G and r["log_bytes_total"] == sizes
+
+
+def test_an_own_loop_refuses_to_run_as_one_rank_of_several(monkeypatch, tmp_path):
+    """veritrain.Run is one process per run: under torchrun every rank would write the same run folder."""
+    import torch
+
+    import veritrain
+    from veritrain.store import RunError
+
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RunError, match="one process"):
+        veritrain.Run(str(tmp_path / "run"), model, torch.optim.SGD(model.parameters(), lr=0.1))

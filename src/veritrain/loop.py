@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import hardware, store
+from . import parallel, hardware, store
 from .checkpoint import CheckpointError, hash_state, load_checkpoint, save_checkpoint
 from .commitments import batch_hash
 from .engine import EngineConfig, ReplayMismatchError, step_context
@@ -202,6 +202,10 @@ class Run:
             raise TaskError(f"Run: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if mode not in LOOP_MODES:
             raise RunError(f"Run: mode must be one of {', '.join(LOOP_MODES)}, got {mode!r}")
+        if parallel.world()[1] > 1 or parallel.launched():  # every rank would write the one run folder
+            raise RunError("Run: a run of an own loop is one process; this one is a rank of several (torchrun, "
+                           "torch.distributed). For data-parallel training give veritrain a Task (loss=) and "
+                           "--micro-batches (docs/DISTRIBUTED.md)")
         if not 23 <= int(bits) <= 32 or int(checkpoint_every) <= 0:
             raise RunError("Run: bits must be in 23..32 and checkpoint_every positive")
         if init is not None and (init.bits, init.mode) != (int(bits), mode):

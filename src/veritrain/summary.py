@@ -32,6 +32,18 @@ def _log_totals(run_dir: str, name: str, step: int, bits: int) -> tuple[int | No
                     "scalar": t.n_scalar, "ops": t.n_ops}
 
 
+def _step_log_totals(run_dir: str, names: list[str], step: int, bits: int) -> tuple[int | None, dict | None]:
+    """``_log_totals`` summed over a step's log files (None when any is refused or does not decode)."""
+    size, total = 0, None
+    for name in names:
+        n, t = _log_totals(run_dir, name, step, bits)
+        if n is None or t is None:
+            return n if n is None else size + n, None
+        size += n
+        total = t if total is None else {k: total[k] + t[k] for k in total}
+    return size, total
+
+
 def _committed_steps(m: dict) -> int:
     """How many steps the manifest's leaves commit to (bounds the files a hostile manifest makes us read)."""
     try:
@@ -46,6 +58,7 @@ def inspect_run(run_dir: str) -> dict:
     per_step, log_total, rounded_total = [], 0, 0
     entries = {"direction": 0, "value": 0, "scalar": 0}
     verified = m["mode"] == "verified"
+    micro = store.micro_batches(m)
     for s in range(steps):
         row = {"step": s, "loss": None}
         try:
@@ -54,7 +67,10 @@ def inspect_run(run_dir: str) -> dict:
         except (store.RunError, ValueError, RecursionError):
             pass
         if verified:
-            row["log_bytes"], tot = _log_totals(run_dir, store.log_name(s), s, int(m["bits"]))
+            # a data-parallel step's logs: its update's and each micro-batch's
+            names = [store.log_name(s)] + [store.micro_log_name(s, g) for g in range(micro)] if micro > 1 \
+                else [store.log_name(s)]
+            row["log_bytes"], tot = _step_log_totals(run_dir, names, s, int(m["bits"]))
             if tot:
                 row.update(tot)
                 log_total += row["log_bytes"]
@@ -68,6 +84,7 @@ def inspect_run(run_dir: str) -> dict:
         "mode": m["mode"], "bits": m["bits"], "seed": m["seed"], "complete": bool(m.get("complete")),
         "root": m.get("root"), "steps": steps, "steps_planned": m.get("steps"),
         "intervals": len(store.intervals(steps, m["checkpoint_every"])), "checkpoint_every": m["checkpoint_every"],
+        "micro_batches": micro,
         "final_state_hash": final,
         "log_bytes_total": log_total if verified else None,
         "rounded_values_total": rounded_total if verified else None,

@@ -361,3 +361,13 @@ def test_an_own_loop_refuses_to_run_as_one_rank_of_several(monkeypatch, tmp_path
     model = torch.nn.Linear(2, 2)
     with pytest.raises(RunError, match="one process"):
         veritrain.Run(str(tmp_path / "run"), model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_contract_pins_the_micro_batches(digits_run, tmp_path):
+    run, _, _ = digits_run
+    cli("contract", "digits-cnn", "--out", tmp_path / "c8.json", "--set", "optimizer=adamw", "--micro-batches", 8,
+        check=0)
+    p = cli("audit", run, "--contract", tmp_path / "c8.json", "--json", "--quiet")
+    assert p.returncode == 1 and "'micro_batches' is 4, the policy requires 8" in p.stdout, p.stdout
+    p = cli("contract", "digits-cnn", "--out", tmp_path / "c1.json", "--micro-batches", 1)
+    assert p.returncode == 2 and "micro_batches must be a whole number in 2..4096" in p.stderr

@@ -94,6 +94,9 @@ class Policy:
                 or not (math.isfinite(self.slack) and 1.0 <= self.slack <= 16.0):
             raise RunError(f"{self.source}: slack must be a number in [1, 16], got {self.slack!r}")
         self.slack = float(self.slack)
+        g = self.micro_batches
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or not 2 <= g <= MAX_MICRO_BATCHES):
+            raise RunError(f"{self.source}: micro_batches must be a whole number in 2..{MAX_MICRO_BATCHES}, got {g!r}")
         if self.mode is not None and self.mode not in MODES:
             raise RunError(f"{self.source}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 

@@ -1,6 +1,7 @@
 """The engine's semantics, op by op."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from veritrain.engine import (EngineConfig, OpTrace, ReplayMismatchError, UnsupportedOpError, VerifiedMode,
-                              step_context)
+                              logged_step, step_context)
 from veritrain.logformat import StepLogReader, StepLogWriter
 from veritrain.rounding import Grid
 
@@ -207,6 +208,24 @@ def test_replay_of_other_code_fails_naming_step_and_op(tmp_path):
         run_step(lambda: (torch.exp(x), torch.exp(x)), tmp_path, replay_of=path)
     with pytest.raises(ReplayMismatchError, match="log has more ops"):
         run_step(lambda: x.clone(), tmp_path, replay_of=path)
+
+
+def test_a_logged_step_closes_its_log_or_leaves_none_behind(tmp_path):
+    x = torch.randn(10, 10)
+    path = str(tmp_path / "ok.vtlog")
+    with logged_step(EngineConfig(), 0, writer=StepLogWriter(path, 0, 32)) as st:
+        torch.exp(x)
+    assert st.closed_log["bytes"] == os.path.getsize(path)
+    # a step that fails leaves no log and no partial file; its reader is closed whatever happens
+    bad = str(tmp_path / "bad.vtlog")
+    with pytest.raises(ZeroDivisionError), logged_step(EngineConfig(), 1, writer=StepLogWriter(bad, 1, 32)):
+        torch.exp(x)
+        1 / 0
+    assert os.listdir(tmp_path) == ["ok.vtlog"]
+    reader = StepLogReader(path, expect_step=0, expect_bits=32)
+    with pytest.raises(ReplayMismatchError), logged_step(EngineConfig(), 0, reader=reader):
+        torch.tanh(x)
+    assert reader._file._f.closed
 
 
 def test_half_precision_and_fused_optimizers_are_refused(tmp_path):

@@ -368,6 +368,7 @@ class VerifiedMode(TorchDispatchMode):
         self._fk = None
         self._ep = None
         self.emulate = accelerator.active()  # an emulated accelerator or worst-case hardware (accelerator.py)
+        self.closed_log: dict | None = None  # logged_step: the writer's summary once the step completed
 
     # --- entry ----------------------------------------------------------------------------------
 
@@ -1096,6 +1097,25 @@ def step_context(config: EngineConfig, step: int, writer=None, reader=None, trac
             raise ReplayMismatchError(
                 f"step {step}: the replay finished but the trainer's log has more ops (next: {trailing.name}); "
                 f"the replay runs different code than the trainer did")
+
+
+@contextlib.contextmanager
+def logged_step(config: EngineConfig, step: int, writer: StepLogWriter | None = None,
+                reader: StepLogReader | None = None, **options):
+    """``step_context`` that also ends the step's log: the writer is closed when the step completes (its
+    summary, ``StepLogWriter.close``'s dict, in ``mode.closed_log``) and aborted (its partial file removed)
+    when the step raises; the reader is closed either way. Every trainer and replay step goes through it."""
+    try:
+        with step_context(config, step, writer=writer, reader=reader, **options) as mode:
+            yield mode
+        mode.closed_log = writer.close() if writer is not None else None
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        if reader is not None:
+            reader.close()
 
 
 # --- operator traces (verification game, phase 3) -------------------------------------------------

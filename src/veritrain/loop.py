@@ -42,7 +42,7 @@ import torch
 from . import parallel, hardware, store
 from .checkpoint import CheckpointError, hash_state, load_checkpoint, save_checkpoint
 from .commitments import batch_hash
-from .engine import EngineConfig, ReplayMismatchError, step_context
+from .engine import EngineConfig, ReplayMismatchError, logged_step, step_context
 from .logformat import LogFormatError, StepLogReader, StepLogWriter
 from .policy import Policy, PolicyError
 from .rounding import Grid
@@ -139,19 +139,12 @@ def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
         os.close(fd)
         writer = StepLogWriter(rec.log_path, 0, rec.bits)
     try:
-        with step_context(engine, 0, writer=writer, reader=reader, domain="init") as st:
+        with logged_step(engine, 0, writer=writer, reader=reader, domain="init") as st:
             yield rec
-        if writer is not None:
-            rec.log_sha256 = writer.close()["sha256"]
     except (ReplayMismatchError, LogFormatError) as e:
         _refuse(f"initial state: the script's construction does not replay the run's initialisation log ({e})")
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    finally:
-        if reader is not None:
-            reader.close()
+    if st.closed_log is not None:
+        rec.log_sha256 = st.closed_log["sha256"]
     rec.stats = st.stats
 
 
@@ -327,15 +320,9 @@ class _Recording(Run):
     @contextlib.contextmanager
     def _engine_step(self, step):
         out = {}
-        log = self._writer.log_writer(step)
-        try:
-            with step_context(self.engine(self._thresholds), step, writer=log) as st:
-                yield out
-            out["log"] = log.close() if log else None
-        except BaseException:
-            if log:
-                log.abort()
-            raise
+        with logged_step(self.engine(self._thresholds), step, writer=self._writer.log_writer(step)) as st:
+            yield out
+        out["log"] = st.closed_log
         out["stats"] = st.stats
 
     def _manifest(self, steps: int, thresholds: dict) -> dict:

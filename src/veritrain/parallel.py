@@ -220,7 +220,7 @@ def run_step(task, engine, step: int, num_micro: int, mode: str, grid: Grid, log
     (replay); ``trace`` (single-process replays of the verification game) collects the parts' ops in
     order: micro-batch 0 .. G-1, then the update. ``on_batch(g, batch)`` sees each micro-batch as prepared.
     ``alone``: run every part in this process, whatever process group it belongs to (the game's replays)."""
-    from .engine import ReplayMismatchError, step_context
+    from .engine import ReplayMismatchError, logged_step
     from .logformat import LogFormatError
     from .runner import _prepare_batch
     from .task import TaskError
@@ -240,10 +240,9 @@ def run_step(task, engine, step: int, num_micro: int, mode: str, grid: Grid, log
         with torch.no_grad():
             for b, b0 in zip(model.buffers(), start):
                 b.copy_(b0)
-        writer, reader = logs.writer(g), logs.reader(g)
         try:
-            with step_context(engine, step, writer=writer, reader=reader, trace=trace, probe=probe,
-                              domain=micro_domain(g)) as st:
+            with logged_step(engine, step, writer=logs.writer(g), reader=logs.reader(g), trace=trace, probe=probe,
+                             domain=micro_domain(g)) as st:
                 batch = _prepare_batch(task.batch(step * num_micro + g), mode, grid)
                 if trace is not None:
                     from .protocol import batch_leaves
@@ -253,21 +252,12 @@ def run_step(task, engine, step: int, num_micro: int, mode: str, grid: Grid, log
                     p.grad = None
                 loss = task.loss(model, batch)
                 loss.backward()
-            if writer is not None:
-                writer.close()
         except (ReplayMismatchError, LogFormatError) as e:
             # a replay that does not follow the log: every rank must learn it after the gather, not hang in it
             meta[g] = {"error": str(e)}
             local[g] = torch.zeros(sum(p.numel() for p in params) + sum(b.numel() for b in buffers), dtype=grad_dtype,
                                    device=params[0].device if params else None)
             continue
-        except BaseException:
-            if writer is not None:
-                writer.abort()
-            raise
-        finally:
-            if reader is not None:
-                reader.close()
         if on_batch is not None:
             on_batch(g, batch)
         batches[g] = batch
@@ -277,10 +267,10 @@ def run_step(task, engine, step: int, num_micro: int, mode: str, grid: Grid, log
         indices = task.batch_indices(step * num_micro + g) if task.batch_indices else None
         meta[g] = {"batch_sha256": batch_hash(batch), "batch_indices": indices,
                    "loss": float(loss.detach()), "has_grad": [x is not None for x in grads]}
-        if writer is not None:
-            meta[g]["log"] = _log_bytes(writer)
+        if st.writer is not None:
+            meta[g]["log"] = _log_bytes(st.writer)
             meta[g]["log_sha256"] = hashlib.sha256(meta[g]["log"]).hexdigest()
-        elif reader is not None:
+        elif st.reader is not None:
             meta[g]["log_sha256"] = logs.sha256(g)
         else:
             meta[g]["log_sha256"] = None
@@ -312,7 +302,6 @@ def run_step(task, engine, step: int, num_micro: int, mode: str, grid: Grid, log
         if rank == 0:
             _update(engine, step, opt, task.scheduler, writer, None, trace, probe, stats)
             if writer is not None:
-                writer.close()
                 update_log = _log_bytes(writer)
         t_comm = time.perf_counter()
         update_log = update_log if alone else broadcast_bytes(update_log)
@@ -341,21 +330,13 @@ def _log_bytes(writer) -> bytes:
 
 
 def _update(engine, step, opt, scheduler, writer, reader, trace, probe, stats):
-    from .engine import step_context
+    from .engine import logged_step
 
-    try:
-        with step_context(engine, step, writer=writer, reader=reader, trace=trace, probe=probe,
-                          domain=UPDATE_DOMAIN) as st:
-            opt.step()
-            if scheduler is not None:
-                scheduler.step()
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    finally:
-        if reader is not None:
-            reader.close()
+    with logged_step(engine, step, writer=writer, reader=reader, trace=trace, probe=probe,
+                     domain=UPDATE_DOMAIN) as st:
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
     stats.append((None, st.stats))
 
 

@@ -185,15 +185,19 @@ class _FetchedLogs:
 
     def __init__(self, rep: Replayer, step: int):
         self.rep, self.step = rep, step
+        self._read: dict = {}  # part -> the bytes its reader was given (hashed without a second fetch)
 
     def writer(self, part):
         return None
 
     def reader(self, part):
-        return StepLogReader(self.rep._log(self.step, part), expect_step=self.step, expect_bits=self.rep.bits)
+        data = self._read[part] = self.rep._log(self.step, part)
+        return StepLogReader(data, expect_step=self.step, expect_bits=self.rep.bits)
 
     def sha256(self, part):
-        return hashlib.sha256(self.rep._log(self.step, part)).hexdigest()
+        if part not in self._read:
+            self._read[part] = self.rep._log(self.step, part)
+        return hashlib.sha256(self._read[part]).hexdigest()
 
 
 def batch_differs(record: dict, batch, micro_batches: int) -> bool:

@@ -26,7 +26,7 @@ import torch
 from . import __version__, hardware, parallel, store
 from .checkpoint import CheckpointError, hash_state, load_checkpoint, save_checkpoint
 from .commitments import batch_hash
-from .engine import EngineConfig, ReplayMismatchError, UnsupportedOpError, step_context
+from .engine import EngineConfig, ReplayMismatchError, UnsupportedOpError, logged_step, step_context
 from .logformat import LogFormatError, StepLogReader, StepLogWriter
 from .merkle import leaf_hash, verify_inclusion
 from .rounding import Grid
@@ -557,16 +557,11 @@ def _start_run(opts: TrainOptions, config: dict, engine: EngineConfig, device):
 def _train_step(task, engine, step, mode, grid, probe, path):
     """One step of a one-process run: (loss, its data record, (batch hash, batch work) for _check_batches)."""
     writer = StepLogWriter(path(log_name(step)), step, grid.bits) if mode == "verified" else None
-    try:
-        with step_context(engine, step, writer=writer, probe=probe) as st:
-            batch = _prepare_batch(task.batch(step), mode, grid)
-            work = _batch_work(st)
-            loss = task.run_step(batch)
-        log = writer.close() if writer else None
-    except BaseException:
-        if writer:
-            writer.abort()
-        raise
+    with logged_step(engine, step, writer=writer, probe=probe) as st:
+        batch = _prepare_batch(task.batch(step), mode, grid)
+        work = _batch_work(st)
+        loss = task.run_step(batch)
+    log = st.closed_log
     indices = task.batch_indices(step) if task.batch_indices else None
     bh = batch_hash(batch)
     return loss, store.record_bytes(step, bh, indices, loss, log["sha256"] if log else None), (bh, work)
@@ -1076,15 +1071,12 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         if not ok:
             break
         try:
-            with step_context(engine, step, reader=reader, probe=probe) as st:
+            with logged_step(engine, step, reader=reader, probe=probe) as st:
                 batch = _prepare_batch(task.batch(step), m["mode"], grid)
                 loss = task.run_step(batch)
         except (ReplayMismatchError, LogFormatError) as e:
             iv.out["reasons"].append(str(e))
             break
-        finally:
-            if reader:
-                reader.close()
         iv.close_step(step, st.stats, batch, task.batch_indices(step) if task.batch_indices else None, loss)
         bar.update(1)
     else:

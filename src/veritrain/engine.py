@@ -207,6 +207,45 @@ _FUSED_CACHE: dict = {}
 _EPILOGUE_CACHE: dict = {}
 
 
+def _flatten_call(args, kwargs):
+    """(leaves, spec) of an op call, in ``tree_flatten((args, kwargs))``'s order (scalar positions in the log
+    are indices into these leaves). aten arguments nest one level (Tensor[], int[], float[]): this walks
+    them directly, several times cheaper per op than the general pytree; anything deeper goes to pytree."""
+    leaves, shape = [], []
+    for part in (args, kwargs.values()):
+        for a in part:
+            if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):  # torch.Size too, not namedtuples
+                if any(isinstance(x, (list, tuple, dict)) for x in a):
+                    flat, spec = tree_flatten((args, kwargs))
+                    return flat, ("pytree", spec)
+                shape.append((tuple if isinstance(a, tuple) else list, len(a)))
+                leaves.extend(a)
+            elif isinstance(a, (list, tuple, dict)):
+                flat, spec = tree_flatten((args, kwargs))
+                return flat, ("pytree", spec)
+            else:
+                shape.append(None)
+                leaves.append(a)
+    return leaves, ("call", len(args), tuple(kwargs), shape)
+
+
+def _unflatten_call(leaves, spec):
+    """(args, kwargs) from ``_flatten_call``'s leaves (possibly changed) and spec."""
+    if spec[0] == "pytree":
+        return tree_unflatten(leaves, spec[1])
+    _, n_args, keys, shape = spec
+    values, i = [], 0
+    for entry in shape:
+        if entry is None:
+            values.append(leaves[i])
+            i += 1
+        else:
+            kind, n = entry
+            values.append(kind(leaves[i:i + n]))
+            i += n
+    return tuple(values[:n_args]), dict(zip(keys, values[n_args:]))
+
+
 def _is_float_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
@@ -490,7 +529,7 @@ class VerifiedMode(TorchDispatchMode):
     # --- compute ----------------------------------------------------------------------------------
 
     def _compute(self, func, rule, args, kwargs):
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = _flatten_call(args, kwargs)
         _check_dtypes(func, leaves)
         info = _info(func)
         float_pos = [i for i, x in enumerate(leaves) if _is_float_tensor(x)]
@@ -514,7 +553,7 @@ class VerifiedMode(TorchDispatchMode):
         # exact ops at b = 32 on float32 operands: the float32 kernel gives the same bits
         if rule.kind == rules.EXACT and self.grid.drop == 0 and out_dtype == torch.float32 \
                 and all(leaves[i].dtype == torch.float32 for i in float_pos) and explicit != torch.float64:
-            args2, kwargs2 = tree_unflatten(leaves, spec)
+            args2, kwargs2 = _unflatten_call(leaves, spec)
             result = func(*args2, **kwargs2)
             slots = self._native_slots(func, info, result, args2, kwargs2)
             self._finish_op(func, record, scalars, [None if y is None else _ExactSlot(y, self.grid) for y in slots])
@@ -533,7 +572,7 @@ class VerifiedMode(TorchDispatchMode):
         for i, x in enumerate(up):
             if isinstance(x, torch.dtype) and x == torch.float32:
                 up[i] = torch.float64
-        args64, kwargs64 = tree_unflatten(up, spec)
+        args64, kwargs64 = _unflatten_call(up, spec)
         if info.has_dtype and explicit is None and not float_pos and has_float_scalar:
             kwargs64 = {**kwargs64, "dtype": torch.float64}
 
@@ -607,7 +646,7 @@ class VerifiedMode(TorchDispatchMode):
         if info.variant not in ("plain", "inplace", "out") or rules.base_name(func) in _UNDECLARED_MUTATIONS:
             return _NOT_FUSED
         run = info.functional if info.variant in ("inplace", "out") else func
-        args2, kwargs2 = tree_unflatten(leaves, spec)
+        args2, kwargs2 = _unflatten_call(leaves, spec)
         named = _named(func, args2, kwargs2)
         if info.variant == "out":
             named = {k: v for k, v in named.items() if k not in info.targets}
@@ -832,13 +871,13 @@ class VerifiedMode(TorchDispatchMode):
         return s
 
     def _random(self, func, args, kwargs):
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = _flatten_call(args, kwargs)
         _check_dtypes(func, leaves)
         record, forced = self._open_op(func) if self.rounding else (None, {})
         scalars = [] if self.writer is not None else None
         self._round_scalars(leaves, scalars, forced)
         self._unused_forced(func, leaves, forced)
-        args, kwargs = tree_unflatten(leaves, spec)
+        args, kwargs = _unflatten_call(leaves, spec)
         a = _named(func, args, kwargs)
         name = rules.base_name(func)
         stream = self._stream()

@@ -16,6 +16,7 @@ positions its log names. Anything the kernel cannot handle falls back to the eag
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import warnings
@@ -255,3 +256,40 @@ class Epilogues:
         env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
         exec(compile(src, f"<veritrain epilogue {next(self._ids)}>", "exec"), env)
         return torch.compile(env["epilogue"], dynamic=True, fullgraph=True)
+
+
+def abs_sum_and_min(x: torch.Tensor, dims: list, keepdim: bool):
+    """(sum of |x|, smallest nonzero |x|, inf where every |x| is 0) over ``dims``: a sum's error scale and
+    its exactness certificate (rules._reduction_sum). One compiled pass over x for large inputs instead of
+    five eager ones (abs, sum, compare, fill, min); eager ops where nothing is compiled. Both are error-model
+    inputs, not results: another summation order changes them in their last bits, which the auditor's
+    tolerance (engine.HONEST_TAU) and the certificate's factor-two margin absorb.
+
+    The compiled kernel always sees a 3-D view (before, reduced, after) of a contiguous x whose reduced
+    dimensions are adjacent, so one kernel (and a few size-1 specialisations) serves every such call."""
+    dims = sorted(d % x.dim() for d in dims) if x.dim() else []
+    adjacent = bool(dims) and dims == list(range(dims[0], dims[-1] + 1))
+    if adjacent and x.numel() and x.is_contiguous() and FusedKernels.enabled_for(x.numel()) \
+            and _REDUCTION[0] is not False:
+        fn = _REDUCTION[0]
+        if fn is None:
+            fn = _REDUCTION[0] = torch.compile(_abs_sum_and_min, dynamic=True, fullgraph=True)
+        shape = list(x.shape)
+        before, after = math.prod(shape[:dims[0]]), math.prod(shape[dims[-1] + 1:])
+        out_shape = [1 if d in dims else n for d, n in enumerate(shape)] if keepdim \
+            else [n for d, n in enumerate(shape) if d not in dims]
+        try:
+            s, smallest = fn(x.view(before, -1, after), (1,), False)
+            return s.view(out_shape), smallest.view(out_shape)
+        except Exception as exc:  # no compiler here, or an input it cannot handle: eager ops from now on
+            _REDUCTION[0] = False
+            FusedKernels.warn_once(None, exc)
+    return _abs_sum_and_min(x, tuple(dims), bool(keepdim))
+
+
+def _abs_sum_and_min(x, dims, keepdim):
+    ax = x.abs()
+    return ax.sum(dims, keepdim=keepdim), torch.where(ax == 0, torch.inf, ax).amin(dims, keepdim=keepdim)
+
+
+_REDUCTION: list = [None]  # the compiled abs_sum_and_min; False once it failed

@@ -30,6 +30,7 @@ from .store import MAX_LOG_BYTES, RunFileError, fsync_dir, open_regular_file
 
 MAGIC = b"VTRLOG1\n"
 _H, _N, _O, _E = b"H", b"N", b"O", b"E"
+_NO_ENTRIES = b"\x00" * 4  # an output without entries: 0 directions, 0 gap bytes, 0 values, 0 gap bytes
 MAX_NDIM = 64
 MAX_NUMEL = 1 << 48
 MAX_NAME = 4096
@@ -192,6 +193,9 @@ class StepLogWriter:
         parts.append(_varint(len(outputs)))
         for o in outputs:
             parts.append(_varint(len(o.shape)) + b"".join(_varint(int(d)) for d in o.shape))
+            if not len(o.dir_pos) and not len(o.val_pos):  # most outputs: what the general case encodes
+                parts.append(_NO_ENTRIES)
+                continue
             g = encode_varints(positions_to_gaps(o.dir_pos))
             parts += [_varint(len(o.dir_pos)), _varint(len(g)), g,
                       np.packbits(np.asarray(o.dir_bits, bool), bitorder="little").tobytes()]
@@ -320,6 +324,10 @@ class StepLogReader:
         return out
 
     def _varint(self) -> int:
+        buf, pos = self._buf, self._pos
+        if pos < len(buf) and buf[pos] < 0x80:  # most varints are one byte, already decompressed
+            self._pos = pos + 1
+            return buf[pos]
         shift, value = 0, 0
         for _ in range(MAX_VARINT_BYTES):
             b = self._read(1)[0]

@@ -402,9 +402,14 @@ def _reduction_sum(call):
     dims = _dims(x, call.arg("dim"))
     keep = call.arg("keepdim", False)
     n = _count(x, dims)
-    ax = x.abs()
-    s = ax.sum(dims, keepdim=keep) if x.dim() else ax
-    q = _min_quantum(ax, dims, keep) if x.dim() else _quantum(ax)
+    if x.dim():
+        from .fused import abs_sum_and_min
+
+        s, smallest = abs_sum_and_min(x, dims, keep)
+        q = _quantum(smallest)
+    else:
+        s = x.abs()
+        q = _quantum(s)
     if call.func._overloadpacket in (aten.mean, aten.nanmean):
         scale = _sqrt(n) * s / max(n, 1)  # the division (or a multiplication by 1/n) is one more rounding
         if n & (n - 1) == 0 and call.func._overloadpacket is aten.mean:
@@ -556,6 +561,13 @@ def _nll_loss_forward(call):
     x, target = call.arg("self"), call.arg("target")
     weight, reduction, ignore = call.arg("weight"), call.arg("reduction"), call.arg("ignore_index")
     absw = weight.abs() if weight is not None else None
+    if weight is None and x.dim() == 2 and call.func._overloadpacket is aten.nll_loss_forward:
+        # the loss reads one element per row, x[i, target[i]]: the same call on those alone (class 0 of a
+        # one-column input, ignored rows kept ignored) instead of on |x| at full size (a language model's
+        # vocabulary-wide logits)
+        keep = target != ignore
+        picked = x.gather(1, torch.where(keep, target, 0).unsqueeze(1))
+        x, target = picked, torch.where(keep, 0, target)
     loss, total = call.func(-x.abs(), target, absw, reduction, ignore)
     n = target.numel() if reduction != 0 else 1
     return [_sqrt(n) * loss.abs() + call.outputs[0].abs(), _sqrt(target.numel()) * total.abs()]

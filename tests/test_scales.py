@@ -1,0 +1,95 @@
+"""The faster ways the engine computes error scales give what the rules' definitions give.
+
+Each shortcut here was added after profiling (bench/profile_engine.py): a sum's scale and exactness
+certificate in one compiled pass, the NLL loss's scale from the elements it reads, the op call flattened
+without the general pytree."""
+
+import collections
+import math
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from veritrain import rules
+from veritrain.engine import _flatten_call, _unflatten_call
+from veritrain.fused import _REDUCTION, abs_sum_and_min
+
+aten = torch.ops.aten
+
+
+def _reference_sum_scale(x, dims, keep, n):
+    """rules._reduction_sum's definition, written out with eager ops: sqrt(n) * sum |x|, zero where the sum
+    is certified exact (sum |x| < 2**52 times the float32 ulp of the smallest nonzero |x|)."""
+    ax = x.abs()
+    s = ax.sum(dims, keepdim=keep)
+    smallest = ax.masked_fill(ax == 0, math.inf).amin(dims, keepdim=keep)
+    return torch.where(s < 2.0**52 * rules._quantum(smallest), torch.zeros_like(s), math.sqrt(n) * s)
+
+
+@pytest.mark.parametrize("shape,dims,keep", [((64, 3000), [1], True), ((3000, 64), [0], False),
+                                             ((8, 64, 300), [2], True), ((8, 64, 300), [0, 1], False),
+                                             ((16, 8, 24, 24), [0, 2, 3], False), ((1, 70000), [-1], True),
+                                             ((70000,), [0], False)])
+def test_a_sums_scale_and_certificate_follow_the_definition(shape, dims, keep):
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=torch.float64)
+    x.view(-1)[::97] = 0
+    exact = (torch.randint(-50, 50, shape) * 2.0**-20).to(torch.float64)  # float32 multiples of 2**-20: exact sums
+    for values in (x, exact):
+        n = math.prod(values.shape[d] for d in dims)
+        call = rules.Call(aten.sum.dim_IntList, (values, dims, keep), {}, [values.sum(dims, keepdim=keep)])
+        got = rules._reduction_sum(call)[0]
+        want = _reference_sum_scale(values, dims, keep, n)
+        assert got.shape == want.shape
+        assert torch.equal(got == 0, want == 0)  # the same sums certified exact
+        assert torch.allclose(got, want, rtol=1e-12, atol=0)
+        if values is exact:
+            assert not got.any()  # every one of these sums is certified
+    assert _REDUCTION[0] is not False  # the compiled pass ran (large inputs), it did not fall back
+
+
+def test_the_compiled_pass_matches_eager_ops_where_every_value_is_zero_or_not_finite():
+    x = torch.zeros(4, 70000, dtype=torch.float64)
+    x[1, 5], x[2, 7], x[3, 9] = math.inf, math.nan, -2.5
+    s, smallest = abs_sum_and_min(x, [1], False)
+    assert s[0] == 0 and smallest[0] == math.inf  # nothing nonzero: no quantum, no certificate
+    assert s[1] == math.inf and math.isnan(smallest[2]) and smallest[3] == 2.5
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_the_nll_loss_scale_reads_only_the_picked_elements(reduction):
+    torch.manual_seed(1)
+    x = torch.randn(64, 1000, dtype=torch.float64)
+    target = torch.randint(0, 1000, (64,))
+    target[::5] = -100  # ignored rows stay ignored
+    out = aten.nll_loss_forward.default(x, target, None, reduction, -100)
+    got = rules._nll_loss_forward(rules.Call(aten.nll_loss_forward.default, (x, target, None, reduction, -100), {},
+                                             list(out)))
+    full_loss, full_total = aten.nll_loss_forward.default(-x.abs(), target, None, reduction, -100)
+    n = target.numel() if reduction != 0 else 1
+    want = [math.sqrt(n) * full_loss.abs() + out[0].abs(), math.sqrt(target.numel()) * full_total.abs()]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+NT = collections.namedtuple("NT", "a b")
+
+
+@pytest.mark.parametrize("args,kwargs", [
+    ((torch.zeros(2), 1.5, [1, 2], None), {"alpha": 0.5, "out": torch.ones(1)}),
+    ((torch.Size([2, 3]), [torch.zeros(1), None], 0.25), {"dtype": torch.float32}),
+    ((NT(1, 2.0), 3.0), {"x": [3]}),
+    (([[1, 2.5], 3],), {}),
+    ((1.0,), {"d": {"k": 1.0}, "e": 2.0}),
+    ((), {}),
+])
+def test_an_op_call_flattens_in_pytrees_order(args, kwargs):
+    # the log names a scalar by its index among these leaves: the order is part of the format
+    ref_leaves, ref_spec = tree_flatten((args, kwargs))
+    leaves, spec = _flatten_call(args, kwargs)
+    assert len(leaves) == len(ref_leaves) and all(a is b for a, b in zip(leaves, ref_leaves))
+    changed = [x * 2 if type(x) is float else x for x in leaves]
+    a, k = _unflatten_call(changed, spec)
+    ra, rk = tree_unflatten([x * 2 if type(x) is float else x for x in ref_leaves], ref_spec)
+    assert repr((a, k)) == repr((ra, rk)) and type(a) is tuple and list(k) == list(rk)

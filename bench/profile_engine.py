@@ -1,0 +1,272 @@
+"""Where a verified step's time goes: float64 kernels, rounding, the near-midpoint scan, error scales, the
+exact classification of candidates, log I/O, and what is left (dispatch and Python), for the trainer and
+the auditor, against plain float64 and float32 steps measured in the same process.
+
+    python bench/profile_engine.py                                # gpt2 2x128, resnet default, digits-cnn
+    python bench/profile_engine.py --workloads digits --steps 3 --no-write
+
+Each category's time is exclusive (a timer stack: time inside a nested category counts there, not in
+its parent). The engine's methods are wrapped for the instrumented runs only; the same steps also run
+without the wrappers, so the table gives the instrumentation's own cost (``instrumented / plain``). Writes
+the "Where the time goes" section of bench/RESULTS.md unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from veritrain import engine, fused, logformat, rounding, rules  # noqa: E402
+from veritrain.engine import EngineConfig, logged_step  # noqa: E402
+from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
+from veritrain.rounding import Grid  # noqa: E402
+from veritrain.runner import _prepare_batch, _prepare_model, place_task  # noqa: E402
+from veritrain.task import build  # noqa: E402
+
+CATEGORIES = {
+    "kernel": "op kernels (float64; float32 where exact; views)",
+    "fused": "fused kernels (float64 op + round + scan, compiled)",
+    "round": "rounding to the grid",
+    "scan": "near-midpoint scan (bulk test)",
+    "scale": "error scales",
+    "classify": "exact classification / replay checks of candidates",
+    "log": "log I/O (encode, write, read, decode)",
+    "python": "dispatch, argument handling, upcast copies, Python",
+}
+
+
+def workloads(shared: str) -> dict:
+    data = shared if os.path.isdir(shared) else os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data")
+    return {
+        "gpt2": ("gpt2-shakespeare", {"corpus": os.path.join(data, "shakespeare.txt"),
+                                      "tokenizer": os.path.join(data, "gpt2-tokenizer"), "n_layer": 2, "n_embd": 128,
+                                      "n_head": 4, "batch_size": 8, "seq_len": 64, "max_chars": 200000, "lr": 1e-3},
+                 "GPT-2 2x128 (the experiments' gpt2 workload: HF GPT-2, BPE vocabulary 50257), batch 8 x 64, AdamW"),
+        "resnet": ("resnet-cifar10", {"data": "digits", "arch": "resnet18", "width": 8, "batch_size": 16,
+                                      "train_examples": 512, "eval_examples": 297},
+                   "ResNet-18 width 8 (the experiments' default size), batch 16, SGD momentum"),
+        "digits": ("digits-cnn", {}, "digits-cnn (the small built-in CNN), default config"),
+    }
+
+
+class Profile:
+    """Exclusive time per category: a stack of open categories; entering one pauses its parent."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self.calls = dict.fromkeys(CATEGORIES, 0)
+        self.stack: list[list] = []  # [category, started]
+
+    def enter(self, cat):
+        now = time.perf_counter()
+        if self.stack:
+            top = self.stack[-1]
+            self.seconds[top[0]] += now - top[1]
+        self.stack.append([cat, now])
+        self.calls[cat] += 1
+
+    def leave(self):
+        now = time.perf_counter()
+        cat, started = self.stack.pop()
+        self.seconds[cat] += now - started
+        if self.stack:
+            self.stack[-1][1] = now
+
+    def timed(self, cat, fn, only_at_top=False):
+        def wrapper(*args, **kwargs):
+            # an aten call made by a rule or a rounding helper counts in that category, not as a kernel
+            if only_at_top and self.stack and self.stack[-1][0] != "python":
+                return fn(*args, **kwargs)
+            self.enter(cat)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.leave()
+        return wrapper
+
+
+def _targets():
+    """(owner, attribute, category) of every wrapped function."""
+    return [
+        (torch._ops.OpOverload, "__call__", "kernel"),
+        (rounding.Grid, "round", "round"),
+        (rounding.Grid, "candidates", "scan"),
+        (engine._EagerSlot, "candidate_indices", "scan"),
+        (fused.Epilogues, "run", "scan"),
+        (engine._Analysis, "scale", "scale"),
+        (rules.LazyScale, "materialize", "scale"),
+        (rules.LazyScale, "at", "scale"),
+        (rules.RowSubset, "materialize", "scale"),
+        (rules.RowSubset, "at", "scale"),
+        (engine._FusedSlot, "_eval", "classify"),
+        (rounding.Grid, "classify", "classify"),
+        (rounding.Grid, "apply_direction", "classify"),
+        (rounding.Grid, "midpoint_distance", "classify"),
+        (rounding.Grid, "spacing_at", "classify"),
+        (engine.VerifiedMode, "_replay", "classify"),
+        (logformat.StepLogWriter, "op", "log"),
+        (logformat.StepLogWriter, "close", "log"),
+        (logformat.StepLogReader, "next_op", "log"),
+        (logformat.StepLogReader, "__init__", "log"),
+    ]
+
+
+@contextlib.contextmanager
+def instrumented(profile: Profile):
+    saved = []
+    for owner, name, cat in _targets():
+        fn = owner.__dict__[name]
+        saved.append((owner, name, fn))
+        setattr(owner, name, profile.timed(cat, fn, only_at_top=(cat == "kernel")))
+    build_kernel = fused.FusedKernels.kernel
+
+    def kernel(self, *a, **k):  # the compiled function it returns is the fused category
+        fn, compute = build_kernel(self, *a, **k)
+        return profile.timed("fused", fn), compute
+
+    fused.FusedKernels.kernel = kernel
+    saved.append((fused.FusedKernels, "kernel", build_kernel))
+    try:
+        profile.enter("python")
+        yield profile
+    finally:
+        profile.leave()
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def _step(task, mode, step, batch, path, cfg, profile=None):
+    t0 = time.perf_counter()
+    ctx = instrumented(profile) if profile is not None else contextlib.nullcontext()
+    with ctx:
+        if mode in ("fp32", "fp64"):
+            task.run_step(batch)
+        elif mode == "trainer":
+            with logged_step(cfg, step, writer=StepLogWriter(path, step, 32)):
+                task.run_step(batch)
+        else:
+            with logged_step(cfg, step, reader=StepLogReader(path, expect_step=step, expect_bits=32)):
+                task.run_step(batch)
+    return time.perf_counter() - t0
+
+
+RUNS = ("fp32", "fp64", "trainer", "auditor", "trainer*", "auditor*")  # * = instrumented
+
+
+def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
+    """Per-step times of every run and the instrumented runs' category breakdown (medians over ``steps``
+    counted steps; one warm-up step first)."""
+    grid, cfg = Grid(32), EngineConfig()
+    tasks = {}
+    for run in RUNS:
+        t = build(task_ref, config)
+        _prepare_model(t, "fp64" if run == "fp64" else "fp32", grid)
+        tasks[run] = place_task(t, "cpu")
+    times = {r: [] for r in RUNS}
+    shares = {r: {c: [] for c in CATEGORIES} for r in ("trainer*", "auditor*")}
+    with tempfile.TemporaryDirectory() as d:
+        for step in range(steps + 1):
+            order = RUNS[step % len(RUNS):] + RUNS[:step % len(RUNS)]
+            # a replay needs its trainer's log: keep each auditor after its trainer
+            order = sorted(order, key=lambda r: (order.index(r.replace("auditor", "trainer")), "auditor" in r))
+            for run in order:
+                mode = run.rstrip("*")
+                batch = _prepare_batch(tasks[run].batch(step), "fp64" if mode == "fp64" else "fp32", grid)
+                path = os.path.join(d, f"{step}{'i' if run.endswith('*') else ''}.vtlog")
+                profile = Profile() if run.endswith("*") else None
+                elapsed = _step(tasks[run], mode, step, batch, path, cfg, profile)
+                if step == 0:
+                    continue
+                times[run].append(elapsed)
+                if profile is not None:
+                    for c in CATEGORIES:
+                        shares[run][c].append(profile.seconds[c] / elapsed)
+            if progress and step:
+                progress("  step %d: %s" % (step, ", ".join(f"{r} {times[r][-1]:.2f}s" for r in RUNS)))
+    fp64 = times["fp64"]
+    out = {"median_s": {r: statistics.median(times[r]) for r in RUNS},
+           "over_fp64": {r: statistics.median(t / f for t, f in zip(times[r], fp64)) for r in RUNS},
+           "share": {r: {c: statistics.median(v) for c, v in shares[r].items()} for r in shares}}
+    # each category as a multiple of the same step's plain float64 time (shares of the instrumented step
+    # scaled by the uninstrumented step's ratio, so the columns add up to the trainer's / auditor's ratio)
+    out["in_fp64_steps"] = {r: {c: out["share"][r + "*"][c] * out["over_fp64"][r] for c in CATEGORIES}
+                            for r in ("trainer", "auditor")}
+    return out
+
+
+def markdown(results: dict, descriptions: dict, command: str, machine: str) -> str:
+    lines = ["## Where the time goes (issue 12: profile)", "",
+             f"Command: `{command}`", "", f"Machine: {machine}", "",
+             "Written by `bench/profile_engine.py`. Each verified step ran twice per step index: plain, and with "
+             "the engine's functions wrapped by an exclusive timer stack (a category's time excludes nested "
+             "categories). Shares are medians over the counted steps of the instrumented step; the cells are those "
+             "shares times the plain step's ratio to plain float64 (medians of same-step ratios), so a row's "
+             "cells add up to its ratio. `python` is the rest: the dispatch mode's own work per op (schema "
+             "lookup, pytree, scalars, the float64 copies of float32 operands, write-back), autograd and the "
+             "optimizer's Python.", ""]
+    head = ["workload", "run", "step / fp64", *CATEGORIES, "instrumented / plain"]
+    lines += ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for name, r in results.items():
+        lines.append(f"| {name} | plain fp32 | {r['over_fp64']['fp32']:.2f}x |" + " |" * len(CATEGORIES) + " |")
+        lines.append(f"| {name} | plain fp64 | 1.00x ({r['median_s']['fp64']:.3g} s) |" + " |" * len(CATEGORIES) + " |")
+        for run in ("trainer", "auditor"):
+            cells = " | ".join(f"{r['in_fp64_steps'][run][c]:.2f}" for c in CATEGORIES)
+            over = r["median_s"][run + "*"] / r["median_s"][run]
+            lines.append(f"| {name} | {run} | {r['over_fp64'][run]:.2f}x | {cells} | {over:.2f}x |")
+    lines += ["", "Categories: " + "; ".join(f"`{c}` {d}" for c, d in CATEGORIES.items()) + ".", "",
+              "Workloads: " + "; ".join(f"{k}: {v}" for k, v in descriptions.items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def write_section(path: str, section: str):
+    title = section.splitlines()[0]
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    if title in text:
+        start = text.index(title)
+        nxt = text.find("\n## ", start + len(title))
+        text = text[:start] + section.rstrip() + "\n" + (text[nxt:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + section
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="gpt2,resnet,digits")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    from bench_engine import machine
+    from veritrain import hardware
+
+    hardware.apply_process_settings()
+    known = workloads(args.shared)
+    results, descriptions = {}, {}
+    for name in args.workloads.split(","):
+        if name not in known:
+            ap.error(f"unknown workload {name!r}; known: {', '.join(known)}")
+        task_ref, config, description = known[name]
+        print(f"{name}: {description}", flush=True)
+        results[name] = measure(task_ref, config, args.steps, progress=lambda s: print(f"{name}{s}", flush=True))
+        descriptions[name] = description
+    command = "python bench/profile_engine.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    section = markdown(results, descriptions, command.strip(), machine())
+    print(section)
+    if not args.no_write:
+        write_section(os.path.join(HERE, "RESULTS.md"), section)
+
+
+if __name__ == "__main__":
+    main()

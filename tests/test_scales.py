@@ -57,16 +57,18 @@ def test_the_compiled_pass_matches_eager_ops_where_every_value_is_zero_or_not_fi
     assert s[1] == math.inf and math.isnan(smallest[2]) and smallest[3] == 2.5
 
 
+@pytest.mark.parametrize("ignore", [-100, 0, 7])
 @pytest.mark.parametrize("reduction", [0, 1, 2])
-def test_the_nll_loss_scale_reads_only_the_picked_elements(reduction):
+def test_the_nll_loss_scale_reads_only_the_picked_elements(reduction, ignore):
     torch.manual_seed(1)
     x = torch.randn(64, 1000, dtype=torch.float64)
     target = torch.randint(0, 1000, (64,))
-    target[::5] = -100  # ignored rows stay ignored
-    out = aten.nll_loss_forward.default(x, target, None, reduction, -100)
-    got = rules._nll_loss_forward(rules.Call(aten.nll_loss_forward.default, (x, target, None, reduction, -100), {},
+    target[::5] = ignore  # ignored rows stay ignored
+    target[1::5] = 0  # class 0 is an ordinary class unless it is the ignored one
+    out = aten.nll_loss_forward.default(x, target, None, reduction, ignore)
+    got = rules._nll_loss_forward(rules.Call(aten.nll_loss_forward.default, (x, target, None, reduction, ignore), {},
                                              list(out)))
-    full_loss, full_total = aten.nll_loss_forward.default(-x.abs(), target, None, reduction, -100)
+    full_loss, full_total = aten.nll_loss_forward.default(-x.abs(), target, None, reduction, ignore)
     n = target.numel() if reduction != 0 else 1
     want = [math.sqrt(n) * full_loss.abs() + out[0].abs(), math.sqrt(target.numel()) * full_total.abs()]
     for g, w in zip(got, want):

@@ -561,10 +561,10 @@ def _nll_loss_forward(call):
     x, target = call.arg("self"), call.arg("target")
     weight, reduction, ignore = call.arg("weight"), call.arg("reduction"), call.arg("ignore_index")
     absw = weight.abs() if weight is not None else None
-    if weight is None and x.dim() == 2 and call.func._overloadpacket is aten.nll_loss_forward:
+    if weight is None and x.dim() == 2 and ignore != 0 and call.func._overloadpacket is aten.nll_loss_forward:
         # the loss reads one element per row, x[i, target[i]]: the same call on those alone (class 0 of a
-        # one-column input, ignored rows kept ignored) instead of on |x| at full size (a language model's
-        # vocabulary-wide logits)
+        # one-column input, ignored rows kept ignored: ignore_index is not 0 here) instead of on |x| at full
+        # size (a language model's vocabulary-wide logits)
         keep = target != ignore
         picked = x.gather(1, torch.where(keep, target, 0).unsqueeze(1))
         x, target = picked, torch.where(keep, 0, target)

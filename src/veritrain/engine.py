@@ -808,9 +808,11 @@ class VerifiedMode(TorchDispatchMode):
             dist = grid.midpoint_distance(yc)
             # needed only within slack * tau of a midpoint; NaN or infinite results never need one. An
             # entry that *overrides* our rounding must be one an honest trainer could have made: its result
-            # lies within tau of ours (the error model), so ours is within tau of the midpoint it crossed
+            # lies within tau of ours (the error model), so ours is within tau of the midpoint it crossed. A
+            # result with tau 0 (certified exact) is the same on every machine: rounding decides even at a
+            # tie, so no honest entry contradicts it
             bad = ~(dist <= slack * tau) | ~torch.isfinite(yc) | (yc.abs() >= 2.0**128) \
-                | (contradicts & ~(dist <= tau * HONEST_TAU))
+                | (contradicts & ~((dist <= tau * HONEST_TAU) & (tau > 0)))
             self.stats.freedom_direction += int(len(pos))
             for j in bad.nonzero().flatten().tolist():
                 self._suspicious(int(pos[j]), index, "direction",

@@ -155,6 +155,21 @@ def test_a_mean_over_a_power_of_two_of_an_exact_sum_leaves_no_choice(tmp_path, n
     assert stats.suspicious_count == 0 and float(out[0]) == 1.0
 
 
+def test_a_flipped_tie_of_a_certified_exact_result_is_rejected(tmp_path):
+    """An exact mean landing on a float32 tie has tau 0: every machine computes the tie itself and
+    rounds it to even, so a direction entry that rounds it away is a choice no honest trainer has (it was
+    accepted while the auditor's check was dist <= tau, true at 0 <= 0)."""
+    x = torch.tensor([1.0, 1.0 + 2.0**-23] * 8).reshape(1, 16)
+    fn = lambda t: torch.mean(t, 1)  # noqa: E731
+    path, (step, bits, ops) = step_log(tmp_path, fn, x)
+    out = ops[-1].outputs[0]
+    assert len(out.dir_pos) == 0
+    out.dir_pos, out.dir_bits = np.array([0], dtype=np.int64), np.array([True])
+    write_records(path, step, bits, ops)
+    stats, y = replay(path, fn, x)
+    assert stats.suspicious_count == 1 and stats.suspicious[0].kind == "direction"
+
+
 def test_a_rounding_flipped_beyond_the_error_bound_is_rejected(tmp_path, monkeypatch):
     """Slack tolerates entries the trainer logged; it does not widen what an honest trainer could have
     *chosen*. A trainer that overrides the rounding of results between tau and slack * tau from a

@@ -95,3 +95,31 @@ def test_an_op_call_flattens_in_pytrees_order(args, kwargs):
     a, k = _unflatten_call(changed, spec)
     ra, rk = tree_unflatten([x * 2 if type(x) is float else x for x in ref_leaves], ref_spec)
     assert repr((a, k)) == repr((ra, rk)) and type(a) is tuple and list(k) == list(rk)
+
+
+@pytest.mark.parametrize("numel", [4096, 1 << 17])  # eager ops, and the compiled epilogue (>= 65536)
+def test_a_relative_scale_gives_what_the_stored_one_gives(numel):
+    """rules._rel's scale |y| is computed by the kernel that rounds y (or at the positions asked for):
+    the same rounding, candidates and taus as with |y| stored at full size."""
+    from veritrain.engine import _Analysis, _EagerSlot
+    from veritrain.fused import Epilogues
+    from veritrain.rounding import Grid
+
+    torch.manual_seed(0)
+    grid = Grid(32)
+    y = torch.randn(numel, dtype=torch.float64)
+    # a fifth of the values 1 to 1024 float64 ulps from a float32 midpoint: around the candidate bound
+    near = y[::5]
+    offset = 2.0 ** (-29 + 10 * torch.rand(len(near), dtype=torch.float64))
+    y[::5] = grid.round(near).double() + grid.spacing_at(near) * (0.5 + offset)
+    y[::7] = 0
+    call = rules.Call(aten.nll_loss_backward.default, (), {}, [y])
+    assert isinstance(rules._rel(call)[0], rules.RelScale)
+    stored = rules.Rule(rules.APPROX, "softmax", lambda c: [c.outputs[0].abs()])
+    slots = [_EagerSlot(y, _Analysis(call, rule), 0, grid, Epilogues(grid))
+             for rule in (rules.Rule(rules.APPROX, "softmax", rules._rel), stored)]
+    idx = [s.candidate_indices(16.0) for s in slots]
+    assert len(idx[0]) > 100 and torch.equal(idx[0], idx[1])
+    assert torch.equal(slots[0].y32.view(torch.int32), slots[1].y32.view(torch.int32))
+    assert torch.equal(slots[0].scale_at(idx[0]), slots[1].scale_at(idx[1]))
+    assert torch.equal(slots[0].scale(), y.abs())

@@ -277,7 +277,7 @@ class _Analysis:
         s = self.scales[slot] if slot < len(self.scales) else None
         if s is None:
             raise VeritrainError(f"{self.call.func}: rule gives no error scale for output {slot}")
-        if isinstance(s, (rules.LazyScale, rules.RowSubset)):
+        if isinstance(s, (rules.LazyScale, rules.RowSubset, rules.RelScale)):
             return s
         device = next((y.device for y in self.call.outputs if isinstance(y, torch.Tensor)), None)
         if not isinstance(s, torch.Tensor):
@@ -326,6 +326,8 @@ class _EagerSlot:
 
     def scale(self):
         s = self._scale_obj()
+        if isinstance(s, rules.RelScale):
+            return s.materialize(self.y64)
         if isinstance(s, (rules.LazyScale, rules.RowSubset)):
             return s.materialize(self.shape).contiguous()
         return s.contiguous()
@@ -352,6 +354,8 @@ class _EagerSlot:
 
     def scale_at(self, idx):
         s = self._scale_obj()
+        if isinstance(s, rules.RelScale):
+            return s.materialize(self.values_at(idx))
         if isinstance(s, (rules.LazyScale, rules.RowSubset)):
             return s.at(idx, self.shape)
         return s.contiguous().reshape(-1)[idx]

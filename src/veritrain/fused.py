@@ -218,21 +218,23 @@ class Epilogues:
 
     def run(self, y: torch.Tensor, scale, c: float):
         """(y32, mask) or None (not compiled here: the caller uses eager ops)."""
-        from .rules import LazyScale
+        from .rules import LazyScale, RelScale
 
         if isinstance(scale, LazyScale):
             terms = scale.full_terms()
+        elif isinstance(scale, RelScale):
+            terms = [(1.0, None)]  # |y|, computed in the kernel
         else:
             terms = [(1.0, [scale])]
-        key = (y.dim(), tuple(tuple(f.dim() for f in fs) for _, fs in terms), float(c))
+        key = (y.dim(), tuple(None if fs is None else tuple(f.dim() for f in fs) for _, fs in terms), float(c))
         if key in self._failed:
             return None
         k = self._cache.get(key)
         try:
             if k is None:
-                k = self._cache[key] = self._build(len(y.shape), [len(fs) for _, fs in terms], c)
+                k = self._cache[key] = self._build(len(y.shape), [None if fs is None else len(fs) for _, fs in terms], c)
             coefs = torch.tensor([t[0] for t in terms], dtype=torch.float64, device=y.device)
-            factors = [f for _, fs in terms for f in fs]
+            factors = [f for _, fs in terms for f in fs or ()]
             return k(y, coefs, *factors)
         except Exception as exc:
             self._failed.add(key)
@@ -243,12 +245,15 @@ class Epilogues:
         g = self.grid
         names, terms, i = [], [], 0
         for t, n in enumerate(n_factors):
+            if n is None:  # the scale |y| (rules.RelScale)
+                terms.append(f"coefs[{t}] * y.abs()")
+                continue
             fs = [f"f{i + j}" for j in range(n)]
             names += fs
             i += n
             terms.append(" * ".join([f"coefs[{t}]"] + fs))
         src = "\n".join([
-            f"def epilogue(y, coefs, {', '.join(names)}):",
+            f"def epilogue({', '.join(['y', 'coefs'] + names)}):",
             f"    s = {' + '.join(terms)}",
             f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})",
             f"    return y32, CAND(y, s, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})",

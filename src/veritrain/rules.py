@@ -169,6 +169,19 @@ class LazyScale:
         return out
 
 
+class RelScale:
+    """The scale |result|: computed from the result by the kernel that rounds it (or at the positions
+    asked for), so a large output's scale is never stored at full size."""
+
+    __slots__ = ()
+
+    def materialize(self, y: torch.Tensor) -> torch.Tensor:
+        return y.abs()
+
+
+REL_SCALE = RelScale()
+
+
 class RowSubset:
     """A scale that is zero outside some rows (dimension 0): e.g. an embedding gradient, where only
     the rows of tokens in the batch are not exactly zero. The engine analyses just those rows."""
@@ -291,7 +304,7 @@ def _tensor_scale(fn):
 
 
 def _rel(call):  # scale = |result| for every output
-    return [None if y is None else y.abs() for y in call.outputs]
+    return [None if y is None else REL_SCALE for y in call.outputs]
 
 
 # --- accumulations ------------------------------------------------------------------------------

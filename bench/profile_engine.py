@@ -4,6 +4,7 @@ the auditor, against plain float64 and float32 steps measured in the same proces
 
     python bench/profile_engine.py                                # gpt2 2x128, resnet default, digits-cnn
     python bench/profile_engine.py --workloads digits --steps 3 --no-write
+    python bench/profile_engine.py --workloads gpt2-117m,resnet18 --steps 2 --section "full size"
 
 Each category's time is exclusive (a timer stack: time inside a nested category counts there, not in
 its parent). The engine's methods are wrapped for the instrumented runs only; the same steps also run
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -56,6 +58,15 @@ def workloads(shared: str) -> dict:
                                       "train_examples": 512, "eval_examples": 297},
                    "ResNet-18 width 8 (the experiments' default size), batch 16, SGD momentum"),
         "digits": ("digits-cnn", {}, "digits-cnn (the small built-in CNN), default config"),
+        # the issue's full-size targets (bench/run_experiments.py's GPT2_117M settings; the standard width)
+        "gpt2-117m": ("gpt2-shakespeare", {"corpus": os.path.join(data, "shakespeare.txt"),
+                                           "tokenizer": os.path.join(data, "gpt2-tokenizer"), "n_layer": 12,
+                                           "n_embd": 768, "n_head": 12, "batch_size": 8, "seq_len": 64,
+                                           "max_chars": 200000, "lr": 1e-3},
+                      "GPT-2 117M (12 x 768, BPE vocabulary 50257), batch 8 x 64, AdamW"),
+        "resnet18": ("resnet-cifar10", {"data": "digits", "arch": "resnet18", "width": 64, "batch_size": 16,
+                                        "train_examples": 512, "eval_examples": 297},
+                     "ResNet-18 (standard width 64, digits as 3x32x32), batch 16, SGD momentum"),
     }
 
 
@@ -108,6 +119,7 @@ def _targets():
         (rules.LazyScale, "at", "scale"),
         (rules.RowSubset, "materialize", "scale"),
         (rules.RowSubset, "at", "scale"),
+        (rules.RelScale, "materialize", "scale"),
         (engine._FusedSlot, "_eval", "classify"),
         (rounding.Grid, "classify", "classify"),
         (rounding.Grid, "apply_direction", "classify"),
@@ -204,8 +216,8 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
     return out
 
 
-def markdown(results: dict, descriptions: dict, command: str, machine: str) -> str:
-    lines = ["## Where the time goes (issue 12: profile)", "",
+def markdown(results: dict, descriptions: dict, command: str, machine: str, section: str = "") -> str:
+    lines = [f"## Where the time goes (issue 12: profile{', ' + section if section else ''})", "",
              f"Command: `{command}`", "", f"Machine: {machine}", "",
              "Written by `bench/profile_engine.py`. Each verified step ran twice per step index: plain, and with "
              "the engine's functions wrapped by an exclusive timer stack (a category's time excludes nested "
@@ -247,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section", default="", help="a name for the RESULTS.md section (runs of other workloads "
+                    "keep their own section), e.g. --workloads gpt2-117m,resnet18 --section 'full size'")
     args = ap.parse_args(argv)
     from bench_engine import machine
     from veritrain import hardware
@@ -261,8 +275,8 @@ def main(argv=None):
         print(f"{name}: {description}", flush=True)
         results[name] = measure(task_ref, config, args.steps, progress=lambda s: print(f"{name}{s}", flush=True))
         descriptions[name] = description
-    command = "python bench/profile_engine.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = markdown(results, descriptions, command.strip(), machine())
+    command = "python bench/profile_engine.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    section = markdown(results, descriptions, command.strip(), machine(), args.section)
     print(section)
     if not args.no_write:
         write_section(os.path.join(HERE, "RESULTS.md"), section)

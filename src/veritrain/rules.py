@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .fused import abs_sum_and_min
+
 aten = torch.ops.aten
 
 PASSTHROUGH, EXACT, APPROX, RANDOM, DECOMPOSE, UNSUPPORTED = ("passthrough", "exact", "approx", "random", "decompose",
@@ -416,8 +418,6 @@ def _reduction_sum(call):
     keep = call.arg("keepdim", False)
     n = _count(x, dims)
     if x.dim():
-        from .fused import abs_sum_and_min
-
         s, smallest = abs_sum_and_min(x, dims, keep)
         q = _quantum(smallest)
     else:

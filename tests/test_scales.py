@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from veritrain import rules
 from veritrain.engine import _flatten_call, _unflatten_call
-from veritrain.fused import _REDUCTION, abs_sum_and_min
+from veritrain.fused import REDUCTIONS, abs_sum_and_min, merged_view
 
 aten = torch.ops.aten
 
@@ -30,7 +30,7 @@ def _reference_sum_scale(x, dims, keep, n):
 @pytest.mark.parametrize("shape,dims,keep", [((64, 3000), [1], True), ((3000, 64), [0], False),
                                              ((8, 64, 300), [2], True), ((8, 64, 300), [0, 1], False),
                                              ((16, 8, 24, 24), [0, 2, 3], False), ((1, 70000), [-1], True),
-                                             ((70000,), [0], False)])
+                                             ((70000,), [0], False), ((8, 16, 24, 24), [1, 3], True)])
 def test_a_sums_scale_and_certificate_follow_the_definition(shape, dims, keep):
     torch.manual_seed(0)
     x = torch.randn(shape, dtype=torch.float64)
@@ -46,7 +46,41 @@ def test_a_sums_scale_and_certificate_follow_the_definition(shape, dims, keep):
         assert torch.allclose(got, want, rtol=1e-12, atol=0)
         if values is exact:
             assert not got.any()  # every one of these sums is certified
-    assert _REDUCTION[0] is not False  # the compiled pass ran (large inputs), it did not fall back
+    sizes, reduced = merged_view(shape, [d % len(shape) for d in dims])
+    assert callable(REDUCTIONS.get((len(sizes), reduced)))  # the compiled pass ran (large inputs), no fallback
+
+
+def test_a_batch_norms_sum_over_n_h_w_takes_the_compiled_pass():
+    """Reduced dimensions that are not adjacent (a BatchNorm's statistics and gradients) are merged into
+    runs, (N, C, H*W) reduced over 0 and 2: one compiled pass, not the eager ops; and every pattern keeps
+    its own kernel (one shared function hit torch.compile's recompile limit after eight patterns and
+    fell back to eager ops for good)."""
+    torch.manual_seed(1)
+    x = torch.randn(16, 8, 24, 24, dtype=torch.float64)
+    for shape, dims in [((4, 70000), [1]), ((70000, 4), [0]), ((70000,), [0]), ((8, 16, 24, 24), [1, 3]),
+                        ((1, 8, 100, 100), [0, 2, 3]), ((16, 1, 70, 70), [0, 2, 3]), ((3, 70000), [0, 1]),
+                        ((2, 70000, 1), [0]), ((1, 2, 70000), [2]), ((2, 3, 70000, 1), [0, 2])]:
+        y = torch.randn(shape, dtype=torch.float64)
+        assert torch.equal(abs_sum_and_min(y, dims, False)[1], y.abs().amin(dims))
+    abs_sum_and_min(x, [0, 2, 3], False)
+    key = (3, (0, 2))
+    compiled = REDUCTIONS[key]
+    assert callable(compiled)
+    assert not [k for k, fn in REDUCTIONS.items() if fn is False and k[1]]  # no pattern fell back
+    views = []
+
+    def spy(v):
+        views.append(tuple(v.shape))
+        return compiled(v)
+
+    REDUCTIONS[key] = spy
+    try:
+        s, smallest = abs_sum_and_min(x, [0, 2, 3], False)
+    finally:
+        REDUCTIONS[key] = compiled
+    assert views == [(16, 8, 576)]
+    assert torch.allclose(s, x.abs().sum((0, 2, 3)), rtol=1e-13, atol=0)
+    assert torch.equal(smallest, x.abs().amin((0, 2, 3)))
 
 
 def test_the_compiled_pass_matches_eager_ops_where_every_value_is_zero_or_not_finite():

@@ -270,26 +270,57 @@ def abs_sum_and_min(x: torch.Tensor, dims: list, keepdim: bool):
     inputs, not results: another summation order changes them in their last bits, which the auditor's
     tolerance (engine.HONEST_TAU) and the certificate's factor-two margin absorb.
 
-    The compiled kernel always sees a 3-D view (before, reduced, after) of a contiguous x whose reduced
-    dimensions are adjacent, so one kernel (and a few size-1 specialisations) serves every such call."""
+    The compiled kernel sees a view of a contiguous x without its size-1 dimensions, the adjacent ones
+    merged where all are reduced or all kept: (rows, columns) for a sum over a matrix's rows, (N, C, H*W)
+    reduced over 0 and 2 for a BatchNorm's sum over (N, H, W). Each such pattern gets a kernel of its own,
+    compiled once for every size (no size is 1, so torch.compile does not specialise on sizes)."""
     dims = sorted(d % x.dim() for d in dims) if x.dim() else []
-    adjacent = bool(dims) and dims == list(range(dims[0], dims[-1] + 1))
-    if adjacent and x.numel() and x.is_contiguous() and FusedKernels.enabled_for(x.numel()) \
-            and _REDUCTION[0] is not False:
-        fn = _REDUCTION[0]
+    if dims and x.numel() and x.is_contiguous() and FusedKernels.enabled_for(x.numel()):
+        sizes, reduced = merged_view(x.shape, dims)
+        key = (len(sizes), reduced)
+        fn = REDUCTIONS.get(key)
         if fn is None:
-            fn = _REDUCTION[0] = torch.compile(_abs_sum_and_min, dynamic=True, fullgraph=True)
-        shape = list(x.shape)
-        before, after = math.prod(shape[:dims[0]]), math.prod(shape[dims[-1] + 1:])
-        out_shape = [1 if d in dims else n for d, n in enumerate(shape)] if keepdim \
-            else [n for d, n in enumerate(shape) if d not in dims]
-        try:
-            s, smallest = fn(x.view(before, -1, after), (1,), False)
-            return s.view(out_shape), smallest.view(out_shape)
-        except Exception as exc:  # no compiler here, or an input it cannot handle: eager ops from now on
-            _REDUCTION[0] = False
-            FusedKernels.warn_once(None, exc)
+            fn = REDUCTIONS[key] = _compile_reduction(*key)
+        out_shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if keepdim \
+            else [n for d, n in enumerate(x.shape) if d not in dims]
+        if fn is not False:
+            try:
+                s, smallest = fn(x.view(sizes))
+                return s.view(out_shape), smallest.view(out_shape)
+            except Exception as exc:  # no compiler here, or an input it cannot handle: eager ops from now on
+                REDUCTIONS[key] = False
+                FusedKernels.warn_once(None, exc)
     return _abs_sum_and_min(x, tuple(dims), bool(keepdim))
+
+
+def merged_view(shape, dims):
+    """(sizes, reduced positions) of the view abs_sum_and_min's kernels see: size-1 dimensions left out,
+    runs of reduced or of kept dimensions merged."""
+    sizes, reduced, last = [], [], None
+    for d, n in enumerate(shape):
+        if n == 1:
+            continue
+        r = d in dims
+        if r == last:
+            sizes[-1] *= n
+        else:
+            sizes.append(n)
+            if r:
+                reduced.append(len(sizes) - 1)
+        last = r
+    return sizes, tuple(reduced)
+
+
+def _compile_reduction(ndim: int, reduced: tuple):
+    """A compiled abs_sum_and_min for one pattern, as a function of its own: torch.compile's recompile limit
+    counts per function, and every pattern must keep its kernel."""
+    if not reduced or ndim == 0:
+        return False  # nothing to reduce after leaving out size-1 dimensions: the eager ops are cheap
+    src = (f"def reduction(x):\n"
+           f"    return _abs_sum_and_min(x, {reduced!r}, False)\n")
+    env = {"_abs_sum_and_min": _abs_sum_and_min}
+    exec(compile(src, f"<veritrain reduction {ndim}-d over {reduced}>", "exec"), env)
+    return torch.compile(env["reduction"], dynamic=True, fullgraph=True)
 
 
 def _abs_sum_and_min(x, dims, keepdim):
@@ -297,4 +328,4 @@ def _abs_sum_and_min(x, dims, keepdim):
     return ax.sum(dims, keepdim=keepdim), torch.where(ax == 0, torch.inf, ax).amin(dims, keepdim=keepdim)
 
 
-_REDUCTION: list = [None]  # the compiled abs_sum_and_min; False once it failed
+REDUCTIONS: dict = {}  # (dimensions, reduced positions) -> its compiled kernel, or False where none

@@ -179,3 +179,34 @@ def test_apply_direction_reproduces_the_trainers_rounding():
     other = grid.apply_direction(y, ~away)
     assert not torch.equal(other, grid.round(y))
     assert torch.all((other.double() - y).abs() <= grid.spacing_at(y) / 2 * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("b", [32, 23])
+def test_the_numpy_scan_of_small_results_is_the_torch_scan(b):
+    """Small results are scanned by NumPy (less dispatch per op); its mask must be candidate_mask's, bit for
+    bit, on zeros, signed zeros, subnormals, infinities, NaNs and zero or infinite scales."""
+    from veritrain import rounding
+
+    gen = torch.Generator().manual_seed(b)
+    grid = Grid(b)
+    y = torch.randn(5000, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-45, 40, (5000,), generator=gen)
+    y32 = grid.round(y).double()
+    y[::3] = (y32 + grid.spacing_at(y32) / 2 * (1 - 1e-12))[::3]
+    specials = torch.tensor([0.0, -0.0, 2.0**-1074, -2.0**-140, 2.0**-126, math.inf, -math.inf, math.nan, F32_MAX,
+                             2.0**128, 1.0, -1.0 - 2.0**-24], dtype=torch.float64)
+    y = torch.cat([y, specials, specials])
+    scale = y.abs() * torch.rand(y.numel(), generator=gen, dtype=torch.float64) * 1e6
+    scale[::5] = 0.0
+    scale[1::5] = y[1::5].abs() * 10.0 ** (5 + 4 * torch.rand(len(y[1::5]), generator=gen, dtype=torch.float64))
+    scale[-len(specials):] = torch.tensor([0.0, math.inf, math.nan] * 4, dtype=torch.float64)
+    for c in (8.0, 64.0):
+        args = (y, scale, c, grid.low_mask, grid.half, grid.value_units)
+        want = rounding.candidate_mask(*args)
+        got = rounding._candidate_mask_numpy(*args)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert torch.equal(rounding._candidates_eager(*args), want)
+    assert int((want != 0).sum()) > 1000  # the near-midpoint third, at least
+    for shape in ((), (3, 1, 4)):  # a 0-d result, and the mask keeps the result's shape
+        y0 = y[:math.prod(shape)].reshape(shape)
+        args = (y0, scale[:y0.numel()].reshape(shape), 8.0, grid.low_mask, grid.half, grid.value_units)
+        assert torch.equal(rounding._candidates_eager(*args), rounding.candidate_mask(*args))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 UNIT_ROUNDOFF = 2.0**-53  # u for float64: |fl(x) - x| <= u |x|
@@ -157,7 +158,24 @@ def candidate_mask(y, scale, c: float, low_mask: int, half: int, value_units: in
 
 
 def _candidates_eager(y, scale, c2: float, low_mask: int, half: int, value_units: int):
+    if y.device.type == "cpu" and y.numel() <= _NUMPY_MAX_NUMEL and y.dtype == scale.dtype == torch.float64:
+        return _candidate_mask_numpy(y, scale, c2, low_mask, half, value_units)
     return candidate_mask(y, scale, c2, low_mask, half, value_units)
+
+
+def _candidate_mask_numpy(y, scale, c: float, low_mask: int, half: int, value_units: int):
+    """candidate_mask's operations, one for one, in NumPy: a torch op on a small tensor costs several
+    microseconds of dispatch, a NumPy one about one (the scan of a small model's results took a third of
+    its step: bench/profile_engine.py)."""
+    yn, sn = y.detach().reshape(-1).numpy(), scale.detach().reshape(-1).numpy()  # 1-D: arrays, not scalars
+    dev = np.minimum(np.abs((yn.view(np.int64) & low_mask) - half), value_units)
+    ay = np.abs(yn)
+    bound = sn * c
+    d = np.where(ay < FLOAT32_MIN_NORMAL, 0.0 - bound, dev.astype(np.float64) * ay - bound)
+    return torch.from_numpy((d.view(np.int64) >> 63).astype(np.int8)).view(y.shape)
+
+
+_NUMPY_MAX_NUMEL = 1 << 18
 
 
 _compiled = None
@@ -192,7 +210,7 @@ def _get_compiled():
 
         isolate_compile_cache()
         try:
-            fn = torch.compile(_candidates_eager, dynamic=True)
+            fn = torch.compile(candidate_mask, dynamic=True)
             probe = torch.tensor([1.0, 0.0, 1.5], dtype=torch.float64)
             fn(probe, probe, 2.0, (1 << 29) - 1, 1 << 28, 1 << 26)
             _compiled = fn

@@ -325,12 +325,7 @@ class _EagerSlot:
         return self._scale
 
     def scale(self):
-        s = self._scale_obj()
-        if isinstance(s, rules.RelScale):
-            return s.materialize(self.y64)
-        if isinstance(s, (rules.LazyScale, rules.RowSubset)):
-            return s.materialize(self.shape).contiguous()
-        return s.contiguous()
+        return rules.materialize_scale(self._scale_obj(), self.y64)
 
     def candidate_indices(self, c):
         """Flat positions that may need a log entry."""

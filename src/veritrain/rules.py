@@ -184,6 +184,16 @@ class RelScale:
 REL_SCALE = RelScale()
 
 
+def materialize_scale(s, y: torch.Tensor) -> torch.Tensor:
+    """Any scale scale_for gives (a tensor or number, LazyScale, RowSubset, RelScale) at full size for the
+    float64 result ``y``."""
+    if isinstance(s, RelScale):
+        return s.materialize(y)
+    if isinstance(s, (LazyScale, RowSubset)):
+        return s.materialize(y.shape).contiguous()
+    return torch.as_tensor(s, dtype=torch.float64, device=y.device).expand(y.shape).contiguous()
+
+
 class RowSubset:
     """A scale that is zero outside some rows (dimension 0): e.g. an embedding gradient, where only
     the rows of tokens in the batch are not exactly zero. The engine analyses just those rows."""
@@ -945,7 +955,8 @@ def lookup(func, named_args: dict | None = None) -> Rule:
 
 
 def scale_for(rule: Rule, call: Call) -> Sequence:
-    """Per output: a tensor broadcastable to it, a LazyScale, or None."""
+    """Per output: a tensor broadcastable to it, a LazyScale, a RowSubset, a RelScale, or None
+    (materialize_scale gives any of them at full size)."""
     fn = rule.scale or _fallback_scale
     return fn(call)
 

@@ -8,7 +8,7 @@ crafts one step, a row sum of 6 x 65536 float32 values built so that every parti
 honest trainer must log them), two 1.5 tau from one (no honest trainer could round them the other way),
 and two exactly on a tie with the sum certified exact (rounding to even decides). The attacker flips the
 last four. The auditor replays in a child process under `isa-default`, with the compiled pass checked to
-run there.
+run there; the same rows as a BatchNorm-like sum over (N, L) of an (N, C, L) batch take another kernel.
 """
 
 import json
@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from veritrain.engine import EngineConfig, step_context
@@ -29,10 +30,6 @@ from veritrain.rules import DEFAULT_THRESHOLDS
 N = 1 << 16
 GRID = Grid(32)
 C = DEFAULT_THRESHOLDS["accumulate"]
-
-
-def sum_rows(x):
-    return torch.sum(x, 1)
 
 
 def tau_by_definition(row: torch.Tensor) -> float:
@@ -80,8 +77,11 @@ import json, sys, torch
 from veritrain import fused
 from veritrain.engine import EngineConfig, step_context
 from veritrain.logformat import StepLogReader
-fused.abs_sum_and_min(torch.ones(2, 1 << 16, dtype=torch.float64), [1], False)
-key = (2, (1,))  # fused.merged_view of a sum over the rows of a matrix
+dims = json.loads(sys.argv[2])
+x = torch.load(sys.argv[1])
+sizes, reduced = fused.merged_view(x.shape, dims)
+key = (len(sizes), reduced)
+fused.abs_sum_and_min(x.double(), dims, False)
 compiled = fused.REDUCTIONS[key]
 assert callable(compiled), "the compiled sum pass is not available in the auditor's process"
 calls = [0]
@@ -89,12 +89,11 @@ def counted(*a, **k):
     calls[0] += 1
     return compiled(*a, **k)
 fused.REDUCTIONS[key] = counted
-x = torch.load(sys.argv[1])
 result = {}
-for name in sys.argv[2:]:
+for name in sys.argv[3:]:
     with StepLogReader(name, expect_step=0, expect_bits=32) as reader:
         with step_context(EngineConfig(), 0, reader=reader) as mode:
-            out = torch.sum(x, 1)
+            out = torch.sum(x, dims)
     result[name] = {"suspicious": mode.stats.suspicious_count,
                     "rows": sorted({s.position for s in mode.stats.suspicious}),
                     "bits": out.view(torch.int32).tolist()}
@@ -103,17 +102,26 @@ print(json.dumps(result))
 """
 
 
-def audit_in_child(tmp_path, x, *logs):
+def audit_in_child(tmp_path, x, dims, *logs):
     torch.save(x, tmp_path / "x.pt")
     env = {k: v for k, v in os.environ.items() if k not in KNOBS and not k.startswith("VERITRAIN_COMPILE")}
     env.update(variant_env("isa-default"))
-    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "x.pt"), *map(str, logs)],
+    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "x.pt"), json.dumps(dims), *map(str, logs)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_flipped_roundings_of_large_sums_are_rejected_by_an_auditor_on_another_variant(tmp_path):
+def as_layout(rows: torch.Tensor, layout: str):
+    """The step's input and summed dimensions: the rows of a matrix, or the channels of a (N, C, L) batch
+    summed over N and L as a BatchNorm sums (dimensions that are not adjacent: another compiled kernel)."""
+    if layout == "rows":
+        return rows, [1]
+    return rows.view(rows.shape[0], 2, -1).permute(1, 0, 2).contiguous(), [0, 2]
+
+
+@pytest.mark.parametrize("layout", ["rows", "batch-norm"])
+def test_flipped_roundings_of_large_sums_are_rejected_by_an_auditor_on_another_variant(tmp_path, layout):
     g = torch.Generator().manual_seed(7)
     x = torch.stack([row_near_a_midpoint(g, 0.5), row_near_a_midpoint(g, 0.5),
                      row_near_a_midpoint(g, 1.5), row_near_a_midpoint(g, 1.5),
@@ -124,11 +132,12 @@ def test_flipped_roundings_of_large_sums_are_rejected_by_an_auditor_on_another_v
     assert [round(r, 3) for r in ratios] == [0.5, 0.5, 1.5, 1.5]
     assert [certified_by_definition(x[r]) for r in range(6)] == [False] * 4 + [True] * 2
     assert float(dist[4]) == float(dist[5]) == 0.0
+    x, dims = as_layout(x, layout)
 
     honest = tmp_path / "honest.vtlog"
     w = StepLogWriter(str(honest), 0, 32)
     with step_context(EngineConfig(), 0, writer=w):
-        trained = sum_rows(x)
+        trained = torch.sum(x, dims)
     w.close()
     step, bits, ops = read_records(str(honest))
     (out,) = ops[-1].outputs
@@ -143,7 +152,7 @@ def test_flipped_roundings_of_large_sums_are_rejected_by_an_auditor_on_another_v
     attacked = tmp_path / "attacked.vtlog"
     write_records(str(attacked), step, bits, ops)
 
-    r = audit_in_child(tmp_path, x, honest, attacked)
+    r = audit_in_child(tmp_path, x, dims, honest, attacked)
     assert r["compiled_calls"] >= 2  # both replays took the scale from the compiled pass
     assert r[str(honest)]["suspicious"] == 0
     assert r[str(honest)]["bits"] == trained.view(torch.int32).tolist()

@@ -16,7 +16,6 @@ positions its log names. Anything the kernel cannot handle falls back to the eag
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import threading
 import warnings
@@ -314,7 +313,7 @@ def merged_view(shape, dims):
 def _compile_reduction(ndim: int, reduced: tuple):
     """A compiled abs_sum_and_min for one pattern, as a function of its own: torch.compile's recompile limit
     counts per function, and every pattern must keep its kernel."""
-    if not reduced or ndim == 0:
+    if not reduced:
         return False  # nothing to reduce after leaving out size-1 dimensions: the eager ops are cheap
     src = (f"def reduction(x):\n"
            f"    return _abs_sum_and_min(x, {reduced!r}, False)\n")

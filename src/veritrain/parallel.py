@@ -25,6 +25,7 @@ log is broadcast and the other ranks replay it, as an auditor would), so the ran
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -370,7 +371,18 @@ def init_from_env(device: str) -> str:
     minutes = float(os.environ.get("VERITRAIN_DIST_TIMEOUT_MIN", "30"))
     dist.init_process_group("nccl" if cuda else "gloo", init_method="env://",
                             timeout=datetime.timedelta(minutes=minutes))
+    # left to interpreter shutdown, the group's worker threads are torn down unjoined and the process can
+    # abort with SIGABRT after its work is done ("terminate called without an active exception": one
+    # two-process audit in the fresh-clone CI); destroy it while Python is still whole
+    atexit.register(_destroy_process_group)
     return device
+
+
+def _destroy_process_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch(argv: list[str], nproc: int) -> int:

@@ -12,7 +12,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from veritrain import rules
-from veritrain.engine import _flatten_call, _unflatten_call
+from veritrain.engine import EngineConfig, _flatten_call, _unflatten_call, step_context
+from veritrain.logformat import StepLogReader, StepLogWriter, read_records
 from veritrain.fused import REDUCTIONS, abs_sum_and_min, merged_view
 
 aten = torch.ops.aten
@@ -157,3 +158,37 @@ def test_a_relative_scale_gives_what_the_stored_one_gives(numel):
     assert torch.equal(slots[0].y32.view(torch.int32), slots[1].y32.view(torch.int32))
     assert torch.equal(slots[0].scale_at(idx[0]), slots[1].scale_at(idx[1]))
     assert torch.equal(slots[0].scale(), y.abs())
+
+
+def test_a_sum_of_float64_values_off_the_float32_grid_is_never_certified(tmp_path):
+    """The certificate counts in float32 ulps. A float64 tensor from outside the engine (a user's float64
+    data summed inside the step) need not hold float32 values, and its float64 sum is then inexact: it gets
+    an error scale, so a row that lands near a float32 midpoint is logged and replays. (Certified, tau 0:
+    the trainer logged nothing, and another machine's sum could round the other way.)"""
+    g = torch.Generator().manual_seed(0)
+    x = 1 + torch.rand(4, 64, dtype=torch.float64, generator=g)  # 53-bit values
+    partial = x[:, :63].sum(1)
+    m32 = (partial + 1.5).float()
+    midpoint = m32.double() + (torch.nextafter(m32, torch.tensor(math.inf)).double() - m32.double()) / 2
+    x[:, 63] = midpoint - partial  # each row's sum is a float32 midpoint, up to float64 rounding
+    y = x.sum(1)
+    for on_grid, certified in ((True, True), (False, False)):
+        scale = rules._reduction_sum(rules.Call(aten.sum.dim_IntList, (x, [1]), {}, [y], on_grid))[0]
+        assert bool((scale == 0).all()) == certified
+
+    path = str(tmp_path / "step.vtlog")
+    w = StepLogWriter(path, 0, 32)
+    with step_context(EngineConfig(), 0, writer=w):
+        y_trainer = x.sum(1)
+    w.close()
+    out = read_records(path)[2][-1].outputs[0]
+    assert len(out.dir_pos) == 4, "every row is within its error bound of a midpoint"
+    with StepLogReader(path, expect_step=0, expect_bits=32) as reader:
+        with step_context(EngineConfig(), 0, reader=reader) as mode:
+            y_auditor = x.sum(1)
+    assert mode.stats.suspicious_count == 0 and torch.equal(y_auditor, y_trainer)
+    w = StepLogWriter(str(tmp_path / "grid.vtlog"), 0, 32)
+    with step_context(EngineConfig(), 0, writer=w) as mode:
+        x.float().double().sum(1)  # the same sums of float32 values are exact: certified, nothing to log
+    w.close()
+    assert mode.stats.entries_total == 0

@@ -266,8 +266,9 @@ def abs_sum_and_min(x: torch.Tensor, dims: list, keepdim: bool):
     """(sum of |x|, smallest nonzero |x|, inf where every |x| is 0) over ``dims``: a sum's error scale and
     its exactness certificate (rules._reduction_sum). One compiled pass over x for large inputs instead of
     five eager ones (abs, sum, compare, fill, min); eager ops where nothing is compiled. Both are error-model
-    inputs, not results: another summation order changes them in their last bits, which the auditor's
-    tolerance (engine.HONEST_TAU) and the certificate's factor-two margin absorb.
+    inputs, not results: another summation order changes the sum in its last bits, which the auditor's
+    tolerance (engine.HONEST_TAU) absorbs; below the certificate's threshold the sum of float32 values is
+    exact in any order, so the certificate is the same on every machine (docs/ROUNDING.md).
 
     The compiled kernel sees a view of a contiguous x without its size-1 dimensions, the adjacent ones
     merged where all are reduced or all kept: (rows, columns) for a sum over a matrix's rows, (N, C, H*W)

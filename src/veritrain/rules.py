@@ -63,12 +63,14 @@ class Rule:
 
 class Call:
     """One invocation as the engine evaluated it: float64 inputs (scalars already on float32) and
-    the float64 results, one per output slot (``None`` where the op returned no tensor)."""
+    the float64 results, one per output slot (``None`` where the op returned no tensor). ``on_grid``: every
+    float input holds float32 values (float32 operands, and the engine's own results, always do; a float64
+    tensor from outside the engine need not), which the exactness certificate relies on."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs", "_index")
+    __slots__ = ("func", "args", "kwargs", "outputs", "on_grid", "_index")
 
-    def __init__(self, func, args, kwargs, outputs):
-        self.func, self.args, self.kwargs, self.outputs = func, args, kwargs, outputs
+    def __init__(self, func, args, kwargs, outputs, on_grid: bool = True):
+        self.func, self.args, self.kwargs, self.outputs, self.on_grid = func, args, kwargs, outputs, on_grid
         self._index = _arg_index(func)
 
     def arg(self, name, default=None):
@@ -265,8 +267,11 @@ def _min_quantum(absx: torch.Tensor, dims, keepdim) -> torch.Tensor:
     return _quantum(absx.masked_fill(absx == 0, math.inf).amin(dims, keepdim=keepdim))
 
 
-def _certify(scale: torch.Tensor, abs_total: torch.Tensor, quantum: torch.Tensor) -> torch.Tensor:
-    """Zero the scale where the sum is provably exact."""
+def _certify(call: Call, scale: torch.Tensor, abs_total: torch.Tensor, quantum: torch.Tensor) -> torch.Tensor:
+    """Zero the scale where the sum is provably exact. Only for addends on the float32 grid: a float64
+    value is a multiple of its float64 ulp, not of its float32 one, so its sums are never certified."""
+    if not call.on_grid:
+        return scale
     return torch.where(abs_total < _EXACT_LIMIT * quantum, torch.zeros_like(scale), scale)
 
 
@@ -418,7 +423,7 @@ def _convolution_backward(call):
     if gb is not None:
         ago = go.abs()
         total = ago.sum([0, *spatial])
-        out[2] = _certify(_sqrt(n_pos) * total, total, _min_quantum(ago, [0, *spatial], False))
+        out[2] = _certify(call, _sqrt(n_pos) * total, total, _min_quantum(ago, [0, *spatial], False))
     return out
 
 
@@ -438,9 +443,9 @@ def _reduction_sum(call):
         if n & (n - 1) == 0 and call.func._overloadpacket is aten.mean:
             # dividing by a power of two is exact, before or after summing: an exact sum gives an exact
             # mean on every machine (average pooling over 2x2, 4x4, ... windows, means over 2**k rows)
-            scale = _certify(scale, s, q)
+            scale = _certify(call, scale, s, q)
         return [scale.reshape(call.outputs[0].shape)]
-    return [_certify(_sqrt(n) * s, s, q).reshape(call.outputs[0].shape)]
+    return [_certify(call, _sqrt(n) * s, s, q).reshape(call.outputs[0].shape)]
 
 
 def _cumsum(call):
@@ -507,7 +512,7 @@ def _embedding_dense_backward(call):
     grad_rows = ago.reshape(-1, ago.shape[-1])
     row_q = _min_quantum(grad_rows, [1], False)
     q = torch.full((num,), math.inf, dtype=go.dtype, device=go.device).scatter_reduce(0, flat_idx, row_q, "amin")
-    return [RowSubset(rows, _certify(scale, absum, q[rows].unsqueeze(1)))]
+    return [RowSubset(rows, _certify(call, scale, absum, q[rows].unsqueeze(1)))]
 
 
 def _index_put(call):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 DDP_SCRIPT = '''
-import sys
+import os, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -36,6 +36,7 @@ def worker(rank, world, store, out):
     if rank == 0:
         torch.save(model.module.state_dict(), out)
     dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort the interpreter's shutdown (parallel.finish_rank)
 
 if __name__ == "__main__":
     d = sys.argv[1]
@@ -58,7 +59,7 @@ def test_plain_ddp_in_float32_differs_between_one_and_two_processes(tmp_path):
 
 
 CHAIN_SCRIPT = '''
-import sys
+import os, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from veritrain import parallel
 from veritrain.rounding import Grid
@@ -79,6 +80,7 @@ def worker(rank, world, store, out):
     gathered = parallel.reduce_in_order(parallel.gather(mine, G), Grid(32), G)
     torch.save((chained, gathered), f"{out}.{rank}")
     dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort the interpreter's shutdown (parallel.finish_rank)
 
 if __name__ == "__main__":
     d = sys.argv[1]

@@ -213,6 +213,16 @@ def _nproc_arg(p):
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_initialized():
+        from . import parallel
+
+        if parallel.launched():
+            parallel.finish_rank(code)  # a rank of several: leave without the interpreter's shutdown
+    return code
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `veritrain audit RUN [options] -- python train.py ...`: the command after `--` replays an own loop
     own, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])

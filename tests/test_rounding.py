@@ -205,6 +205,12 @@ def test_the_numpy_scan_of_small_results_is_the_torch_scan(b):
         got = rounding._candidate_mask_numpy(*args)
         assert got.dtype == want.dtype and torch.equal(got, want)
         assert torch.equal(rounding._candidates_eager(*args), want)
+        positions = want.reshape(-1).nonzero().squeeze(1)
+        assert torch.equal(grid.candidate_positions(y, scale, c), positions)  # NumPy finds them too
+        big = (y.repeat(60), scale.repeat(60))  # over 2**18 values: torch scans and finds them
+        assert big[0].numel() > rounding._NUMPY_MAX_NUMEL
+        assert torch.equal(grid.candidate_positions(*big, c), (grid.candidates(*big, c) != 0).reshape(-1).nonzero().squeeze(1))
+        assert torch.equal(grid.candidate_positions(*big, c)[:len(positions)], positions)
     assert int((want != 0).sum()) > 1000  # the near-midpoint third, at least
     for shape in ((), (3, 1, 4)):  # a 0-d result, and the mask keeps the result's shape
         y0 = y[:math.prod(shape)].reshape(shape)

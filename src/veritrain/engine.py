@@ -141,9 +141,10 @@ class EngineConfig:
 
 
 class _OpInfo:
-    __slots__ = ("names", "defaults", "mutated", "functional", "variant", "targets", "has_dtype")
+    __slots__ = ("label", "names", "defaults", "mutated", "functional", "variant", "targets", "has_dtype")
 
     def __init__(self, func):
+        self.label = str(func)  # the op's name in the log
         schema = func._schema
         self.names = [a.name for a in schema.arguments]
         # the dispatcher leaves out arguments equal to their default (dtype/layout/device defaults come
@@ -335,14 +336,14 @@ class _EagerSlot:
                 return torch.zeros(0, dtype=torch.int64, device=self.y64.device)
             width = math.prod(self.shape[1:])
             sub = self.y64[s.rows].contiguous()
-            local = self.grid.candidates(sub, s.scale.expand(sub.shape).contiguous(), c).reshape(-1).nonzero().squeeze(1)
+            local = self.grid.candidate_positions(sub, s.scale.expand(sub.shape).contiguous(), c)
             return s.rows[local // width] * width + local % width
         if self._epilogues is not None and FusedKernels.enabled_for(self.y64.numel()):
             out = self._epilogues.run(self.y64, s, c)
             if out is not None:
                 self._y32, mask = out
                 return mask.reshape(-1).nonzero().squeeze(1)
-        return self.grid.candidates(self.y64, self.scale(), c).reshape(-1).nonzero().squeeze(1)
+        return self.grid.candidate_positions(self.y64, self.scale(), c)
 
     def values_at(self, idx):
         return self.y64.reshape(-1)[idx]
@@ -714,7 +715,7 @@ class VerifiedMode(TorchDispatchMode):
             raise ReplayMismatchError(
                 f"step {self.step}, op #{self.op_index} {func}: the trainer's log ends before this op; "
                 f"the replay runs different code than the trainer did")
-        if rec.name != str(func):
+        if rec.name != _info(func).label:
             raise ReplayMismatchError(
                 f"step {self.step}, op #{self.op_index}: replay runs {func} but the log has {rec.name} here "
                 f"(a different task, code version or op stream)")
@@ -767,7 +768,7 @@ class VerifiedMode(TorchDispatchMode):
             stats.entries_val[phase] += len(e.val_pos)
         if self.writer is not None:
             stats.entries_scalar += len(scalars)
-            self.writer.op(str(func), scalars, entries, n_rounded)
+            self.writer.op(_info(func).label, scalars, entries, n_rounded)
         return finals
 
     def _record(self, slot, c) -> OutputEntries:

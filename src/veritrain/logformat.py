@@ -50,13 +50,22 @@ class LogFormatError(ValueError):
     """A rounding log is malformed, truncated, or not the one expected."""
 
 
+def _empty(dtype) -> np.ndarray:
+    a = np.zeros(0, dtype)
+    a.flags.writeable = False  # shared by every output without entries (most of them): never written
+    return a
+
+
+_NONE_I64, _NONE_BOOL, _NONE_U32 = _empty(np.int64), _empty(bool), _empty(np.uint32)
+
+
 @dataclass(slots=True)
 class OutputEntries:
     shape: tuple
-    dir_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    dir_bits: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
-    val_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    val_bits: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    dir_pos: np.ndarray = field(default_factory=lambda: _NONE_I64)
+    dir_bits: np.ndarray = field(default_factory=lambda: _NONE_BOOL)
+    val_pos: np.ndarray = field(default_factory=lambda: _NONE_I64)
+    val_bits: np.ndarray = field(default_factory=lambda: _NONE_U32)
 
     @property
     def n_entries(self) -> int:
@@ -83,6 +92,8 @@ class StepTotals:
 
 
 def _varint(n: int) -> bytes:
+    if 0 <= n < 128:  # one byte: most counts, ids and dimensions
+        return _ONE_BYTE[n]
     if n < 0:
         raise ValueError("varint must be non-negative")
     out = bytearray()
@@ -94,6 +105,22 @@ def _varint(n: int) -> bytes:
         else:
             out.append(b)
             return bytes(out)
+
+
+_ONE_BYTE = [bytes([i]) for i in range(128)]
+
+
+def _shape_bytes(shape) -> bytes:
+    """An output's rank and dimensions as varints (cached: a step's shapes repeat every step)."""
+    b = _SHAPES.get(shape)
+    if b is None:
+        b = _varint(len(shape)) + b"".join(_varint(int(d)) for d in shape)
+        if len(_SHAPES) < 1 << 16:
+            _SHAPES[shape] = b
+    return b
+
+
+_SHAPES: dict = {}
 
 
 def encode_varints(values: np.ndarray) -> bytes:
@@ -192,7 +219,7 @@ class StepLogWriter:
             parts.append(_varint(pos) + bytes([1 if bit else 0]))
         parts.append(_varint(len(outputs)))
         for o in outputs:
-            parts.append(_varint(len(o.shape)) + b"".join(_varint(int(d)) for d in o.shape))
+            parts.append(_shape_bytes(o.shape))
             if not len(o.dir_pos) and not len(o.val_pos):  # most outputs: what the general case encodes
                 parts.append(_NO_ENTRIES)
                 continue

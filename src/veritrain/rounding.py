@@ -137,6 +137,11 @@ class Grid:
         """
         return _candidates(y, scale, c, self)
 
+    def candidate_positions(self, y: torch.Tensor, scale: torch.Tensor | float, c: float) -> torch.Tensor:
+        """The flat positions (int64, ascending) of ``candidates``' nonzero elements. Where NumPy scans (small
+        results) NumPy finds them too: torch's nonzero costs more than the scan itself there."""
+        return _candidates(y, scale, c, self, positions=True)
+
 
 def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
     """2.0**exponent as float64, built from the bit pattern (exact; exponent in -1022..1023)."""
@@ -157,22 +162,29 @@ def candidate_mask(y, scale, c: float, low_mask: int, half: int, value_units: in
     return (d.view(_INT64) >> 63).to(torch.int8)
 
 
-def _candidates_eager(y, scale, c2: float, low_mask: int, half: int, value_units: int):
+def _candidates_eager(y, scale, c2: float, low_mask: int, half: int, value_units: int, positions: bool = False):
     if y.device.type == "cpu" and y.numel() <= _NUMPY_MAX_NUMEL and y.dtype == scale.dtype == torch.float64:
-        return _candidate_mask_numpy(y, scale, c2, low_mask, half, value_units)
-    return candidate_mask(y, scale, c2, low_mask, half, value_units)
+        mask = _mask_numpy(y, scale, c2, low_mask, half, value_units)
+        return torch.from_numpy(np.flatnonzero(mask).astype(np.int64)) if positions \
+            else torch.from_numpy(mask).view(y.shape)
+    mask = candidate_mask(y, scale, c2, low_mask, half, value_units)
+    return mask.reshape(-1).nonzero().squeeze(1) if positions else mask
 
 
 def _candidate_mask_numpy(y, scale, c: float, low_mask: int, half: int, value_units: int):
-    """candidate_mask's operations, one for one, in NumPy: on small tensors a NumPy op costs less dispatch
-    than a torch op, and the scan of a small model's results is a sixth of its verified step
+    return torch.from_numpy(_mask_numpy(y, scale, c, low_mask, half, value_units)).view(y.shape)
+
+
+def _mask_numpy(y, scale, c: float, low_mask: int, half: int, value_units: int) -> np.ndarray:
+    """candidate_mask's operations, one for one, in NumPy (1-D): on small tensors a NumPy op costs less
+    dispatch than a torch op, and the scan of a small model's results is a sixth of its verified step
     (bench/profile_engine.py, the `scan` category)."""
     yn, sn = y.detach().reshape(-1).numpy(), scale.detach().reshape(-1).numpy()  # 1-D: arrays, not scalars
     dev = np.minimum(np.abs((yn.view(np.int64) & low_mask) - half), value_units)
     ay = np.abs(yn)
     bound = sn * c
     d = np.where(ay < FLOAT32_MIN_NORMAL, 0.0 - bound, dev.astype(np.float64) * ay - bound)
-    return torch.from_numpy((d.view(np.int64) >> 63).astype(np.int8)).view(y.shape)
+    return (d.view(np.int64) >> 63).astype(np.int8)
 
 
 _NUMPY_MAX_NUMEL = 1 << 18
@@ -186,7 +198,7 @@ def _compile_mode() -> str:
     return os.environ.get("VERITRAIN_COMPILE", "auto")
 
 
-def _candidates(y, scale, c, grid: Grid):
+def _candidates(y, scale, c, grid: Grid, positions: bool = False):
     # tau / ulp64(y) = c * u * scale / ulp64(y) < c * scale / |y|, because ulp64(y) > u * |y|
     c2 = float(c)
     if not isinstance(scale, torch.Tensor) or scale.shape != y.shape:
@@ -197,9 +209,9 @@ def _candidates(y, scale, c, grid: Grid):
     if mode != "0" and (mode == "1" or y.numel() >= _COMPILE_MIN_NUMEL):
         fn = _get_compiled()
         if fn is not None:
-            return fn(y.reshape(-1), scale.reshape(-1), c2, grid.low_mask, grid.half,
-                      grid.value_units).view(y.shape)
-    return _candidates_eager(y, scale, c2, grid.low_mask, grid.half, grid.value_units)
+            mask = fn(y.reshape(-1), scale.reshape(-1), c2, grid.low_mask, grid.half, grid.value_units)
+            return mask.nonzero().squeeze(1) if positions else mask.view(y.shape)
+    return _candidates_eager(y, scale, c2, grid.low_mask, grid.half, grid.value_units, positions)
 
 
 def _get_compiled():

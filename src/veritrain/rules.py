@@ -942,10 +942,16 @@ def _leaves(xs):
 
 def base_name(func) -> str:
     """``aten.add_.Tensor`` -> ``add``; in-place and out= variants share the functional op's row."""
-    name = func._overloadpacket.__name__
-    if name.endswith("_") and not name.startswith("__") and name not in RULES:
-        name = name[:-1]
+    name = _BASE_NAMES.get(func)
+    if name is None:  # once per operator: the engine asks several times for every op it runs
+        name = func._overloadpacket.__name__
+        if name.endswith("_") and not name.startswith("__") and name not in RULES:
+            name = name[:-1]
+        _BASE_NAMES[func] = name
     return name
+
+
+_BASE_NAMES: dict = {}
 
 
 def lookup(func, named_args: dict | None = None) -> Rule:

@@ -610,10 +610,10 @@ class VerifiedMode(TorchDispatchMode):
             outputs = [o for o in outputs] + [t for name in targets for t in _as_list(_named(func, call_args, call_kwargs)[name])]
         outputs64 = [o if _is_float_tensor(o) else None for o in outputs]
         # a float64 operand from outside the engine may hold values off the float32 grid (certificates)
-        on_grid = rule.kind != rules.APPROX or all(leaves[i].dtype != torch.float64 or _on_float32_grid(leaves[i])
-                                                   for i in float_pos)
+        float64_operands = [leaves[i] for i in float_pos if leaves[i].dtype == torch.float64]
         analysis = _Analysis(rules.Call(run, args64, {k: v for k, v in kwargs64.items() if k not in targets}
-                                        if variant == "out" else kwargs64, outputs64, on_grid), rule)
+                                        if variant == "out" else kwargs64, outputs64,
+                                        None if float64_operands else True, float64_operands), rule)
         if rule.kind == rules.FALLBACK_RULE.kind and rule is rules.FALLBACK_RULE:
             self.stats.fallback_ops.add(str(func))
         slots = []
@@ -1084,10 +1084,6 @@ def _rebuild(res, flat):
         else:
             out.append(next(it))
     return type(res)(out) if isinstance(res, tuple) else out
-
-
-def _on_float32_grid(x: torch.Tensor) -> bool:
-    return bool(((x.to(torch.float32).to(x.dtype) == x) | x.isnan()).all())
 
 
 def _write_back(orig: torch.Tensor, y32: torch.Tensor):

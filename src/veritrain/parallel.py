@@ -29,6 +29,7 @@ import atexit
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -382,7 +383,7 @@ def _destroy_process_group():
         dist.destroy_process_group()
 
 
-def finish_rank(code: int) -> int:
+def finish_rank(code: int) -> NoReturn:
     """End a rank of the CLI (its files are written and closed) with exit status ``code``, skipping the
     interpreter's shutdown. Even after ``destroy_process_group``, gloo's threads are torn down unjoined at
     shutdown and a process of a finished two-process run aborts with SIGABRT ("terminate called without an

@@ -64,14 +64,23 @@ class Rule:
 class Call:
     """One invocation as the engine evaluated it: float64 inputs (scalars already on float32) and
     the float64 results, one per output slot (``None`` where the op returned no tensor). ``on_grid``: every
-    float input holds float32 values (float32 operands, and the engine's own results, always do; a float64
-    tensor from outside the engine need not), which the exactness certificate relies on."""
+    float input holds float32 values, which the exactness certificate relies on. Float32 operands and the
+    engine's own results always do; a float64 tensor from outside the engine need not, so the engine passes
+    its float64 operands and they are checked when a certificate asks (``on_grid`` None)."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs", "on_grid", "_index")
+    __slots__ = ("func", "args", "kwargs", "outputs", "_on_grid", "_float64_operands", "_index")
 
-    def __init__(self, func, args, kwargs, outputs, on_grid: bool = True):
-        self.func, self.args, self.kwargs, self.outputs, self.on_grid = func, args, kwargs, outputs, on_grid
+    def __init__(self, func, args, kwargs, outputs, on_grid: bool | None = True, float64_operands=()):
+        self.func, self.args, self.kwargs, self.outputs = func, args, kwargs, outputs
+        self._on_grid, self._float64_operands = on_grid, float64_operands
         self._index = _arg_index(func)
+
+    @property
+    def on_grid(self) -> bool:
+        if self._on_grid is None:
+            self._on_grid = all(bool(((x.to(torch.float32).to(x.dtype) == x) | x.isnan()).all())
+                                for x in self._float64_operands)
+        return self._on_grid
 
     def arg(self, name, default=None):
         if name in self.kwargs:

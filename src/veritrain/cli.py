@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="the task's held-out metric (accuracy / perplexity) for a run's checkpoint")
     e.add_argument("run_dir", help="the run directory")
-    e.add_argument("--step", type=int, help="the checkpoint after this many steps (default: the last)")
+    e.add_argument("--step", type=int, help="the committed state after this many steps (an interval's end, or 0; "
+                                            "default: the last)")
+    e.add_argument("--root", help="the root the trainer gave you (default: the one in the run's manifest)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     _policy_args(e)
     _device_arg(e)

@@ -522,8 +522,18 @@ class VerifiedMode(TorchDispatchMode):
         other = float(np.nextafter(np.float32(x32), np.float32(math.copysign(math.inf, x - x32)))) if x32 != x else x32
         lo, hi = sorted((abs(x32), abs(other)))
         mid = (lo + hi) / 2
-        if hi == lo or abs(abs(x) - mid) > self.config.slack * SCALAR_THRESHOLD * abs(x):
+        dist = abs(abs(x) - mid)
+        if hi == lo or dist > self.config.slack * SCALAR_THRESHOLD * abs(x):
             self._suspicious(pos, 0, "scalar", f"scalar {x!r} is not near a float32 midpoint")
+        elif bool(away) != (abs(x32) > abs(x)):
+            # an entry that overrides our rounding must be one an honest trainer could have made: it logs
+            # within SCALAR_THRESHOLD, and its scalar is on the other side of the midpoint only if ours is
+            # closer to it than that (as for tensor entries, docs/SECURITY.md rows 1 and 19)
+            self.stats.corrections[self._phase()] += 1
+            if dist > SCALAR_THRESHOLD * HONEST_TAU * abs(x):
+                self._suspicious(pos, 0, "scalar", f"scalar {x!r} rounded {'away from' if away else 'toward'} zero, "
+                                 f"against its own rounding, {dist / abs(x):.3g} (relative) from a float32 "
+                                 f"midpoint: beyond the scalar threshold {SCALAR_THRESHOLD:.3g}")
         return math.copysign(hi if away else lo, x)
 
     # --- compute ----------------------------------------------------------------------------------

@@ -120,10 +120,12 @@ class Replayer:
             raise RuntimeError(f"replayer holds the state after {self.at} steps, not {step}")
         if self.run.micro_batches > 1:
             return self._run_parallel_step(step, trace)
-        reader = None
+        reader, log_sha = None, None
         if self.mode == "verified":
+            raw = self._log(step)
+            log_sha = hashlib.sha256(raw).hexdigest()
             try:
-                reader = StepLogReader(self._log(step), expect_step=step, expect_bits=self.bits)
+                reader = StepLogReader(raw, expect_step=step, expect_bits=self.bits)
             except LogFormatError as e:
                 raise store.RunError(f"step {step}: {e}") from None
         self.task.hold()
@@ -144,6 +146,8 @@ class Replayer:
         self.ops_replayed += stats.ops
         self.at = step + 1
         self.last_stats = stats
+        indices = self.task.batch_indices(step) if self.task.batch_indices else None
+        self.last_record = store.record_bytes(step, batch_hash(batch), indices, loss, log_sha)
         return loss, batch
 
     def _run_parallel_step(self, step: int, trace: OpTrace | None):
@@ -166,6 +170,8 @@ class Replayer:
                 h.remove()
         self.ops_replayed += sum(st.ops for _, st in parts.stats)
         self.at = step + 1
+        self.last_record = store.parallel_record_bytes(step, parts.micro, parts.loss,
+                                                       logs.sha256(None) if self.mode == "verified" else None)
         return parts.loss, [parts.batches[g] for g in range(self.run.micro_batches)]
 
     def state_hash(self) -> str:
@@ -575,17 +581,20 @@ class Challenger:
                 raise _Lost(f"the trainer committed a malformed data record for step {s}")
         rep = Replayer(self.run, self._checked_checkpoint(start_state, a), self._checked_log(records, logs),
                        device=self.device)
-        states, data_finding = {}, None
+        states, data_finding, record_finding = {}, None, None
         with self._replaying(f"interval {i}"):
             rep.load(a, start_state)
-            for s in range(a, b):
+            for s, h in zip(range(a, b), info["records"]):
                 loss, batch = rep.run_step(s)
                 states[s] = rep.state_hash()
                 if data_finding is None and batch_differs(records[s], batch, self.run.micro_batches):
                     data_finding = s
+                # the whole record as the audit builds it (loss, example indices, log hash, canonical bytes)
+                if record_finding is None and hashlib.sha256(rep.last_record).hexdigest() != h:
+                    record_finding = s
         self._interval = SimpleNamespace(i=i, a=a, b=b, info=info, start=start_state, records=records, logs=logs,
                                          rep=rep, states=states, data_finding=data_finding,
-                                         replay_ops=rep.ops_replayed)
+                                         record_finding=record_finding, replay_ops=rep.ops_replayed)
         return self._interval
 
     def _dispute_interval(self, i: int, v: Verdict):
@@ -607,6 +616,13 @@ class Challenger:
             raise _Lost(f"the prover's replay of step {b - 1} ends in {str(last)[:16]}…, its leaf commits to "
                         f"{c.info['state_sha256'][:16]}…")
         if c.states[b - 1] == last:
+            if c.data_finding is None and c.record_finding is not None:
+                # the replay reaches the committed state, yet a committed record is not the one the step gives:
+                # the trainer wrote a false record (a loss, example indices or bytes the step did not produce)
+                v["reasons"].append(f"step {c.record_finding}: the trainer's committed data record differs from the "
+                                    f"one this replay of the step gives, which reaches the committed state")
+                v["step"] = c.record_finding
+                return
             if c.data_finding is None:
                 v["verdict"] = "auditor_wrong"
                 v["reasons"].append(f"interval {i}: this replay reaches the committed state; the audit's leaf was wrong")

@@ -1086,22 +1086,48 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
 
 
 def evaluate_run(run_dir: str, step: int | None = None, policy: Policy | None = None, device="cpu") -> dict:
-    """The task's held-out metric for a run's checkpoint (the last one by default), computed here on
-    ``device`` by the auditor's own build of the task (the manifest's ``evaluation`` is only the trainer's
-    claim)."""
+    """The task's held-out metric for a run's committed state (after the last interval by default), computed
+    here on ``device`` by the auditor's own build of the task (the manifest's ``evaluation`` is only the
+    trainer's claim). Only a state a leaf under the root commits to is evaluated (the policy's root, else the
+    manifest's): the manifest's checkpoint list is not covered by the root. The metric is of the committed
+    weights, not of audited ones, unless an audit accepted the run."""
     with on_device(device) as device:
         return _evaluate_run(run_dir, step, policy, device)
+
+
+def committed_states(m: dict, root: str) -> dict:
+    """{step: state hash} of the states a run commits to under ``root``: step 0 (the run description's
+    initial state) and the end of each interval (its leaf). Raises RunRejected if the leaves do not hash to
+    ``root`` or do not describe this run's intervals."""
+    try:
+        leaves = [bytes.fromhex(x) for x in m.get("leaves", [])]
+        parsed = [store.parse_leaf(x) for x in leaves]
+    except (ValueError, TypeError, RunError) as e:
+        raise RunRejected(f"the manifest's leaves are malformed ({str(e):.200})") from None
+    got = store.tree_of(leaves).root().hex()
+    if root is not None and got != root:  # no root yet: a run still training, its leaves so far
+        raise RunRejected(f"the manifest's leaves hash to {got[:16]}…, not to the committed root {str(root)[:16]}…")
+    run_sha = store.run_sha256(m).hex()
+    states = {0: m.get("initial_state_sha256")}
+    for i, (info, (a, b)) in enumerate(zip(parsed, store.intervals(m["steps"], m["checkpoint_every"]))):
+        if (info["interval"], info["first_step"], info["end_step"], info["run_sha256"]) != (i, a, b, run_sha):
+            raise RunRejected(f"leaf {i} does not describe interval {i} (steps {a}..{b - 1}) of this run")
+        states[b] = info["state_sha256"]
+    return states
 
 
 def _evaluate_run(run_dir, step, policy, device) -> dict:
     import copy
 
     m = load_manifest(run_dir)
-    run = (policy or Policy()).admit(m)
-    ck = m["checkpoints"][-1] if step is None else next((c for c in m["checkpoints"] if c["step"] == step), None)
-    if ck is None:
-        raise RunError(f"{run_dir} has no checkpoint after step {step}; it has "
-                       f"{[c['step'] for c in m['checkpoints']]}")
+    policy = policy or Policy()
+    run = policy.admit(m)
+    states = committed_states(m, policy.root or m.get("root"))
+    if step is None:
+        step = max(states)
+    if step not in states:
+        raise RunError(f"{run_dir} commits to no state after step {step}; it commits to the states after steps "
+                       f"{sorted(states)} (the starts and ends of its intervals)")
     task = run.build_task()
     if task.evaluate is None:
         raise RunError(f"task {m['task']} defines no evaluation")
@@ -1109,11 +1135,11 @@ def _evaluate_run(run_dir, step, policy, device) -> dict:
         task.model.double()
     place_task(task, device)
     try:  # by its canonical name, as a regular file inside the run (store.open_run_file)
-        with store.open_run_file(run_dir, ckpt_name(ck["step"])) as f:
-            _, h = load_checkpoint(f, task.model, task.optimizer, task.scheduler)
+        with store.open_run_file(run_dir, ckpt_name(step)) as f:
+            got_step, h = load_checkpoint(f, task.model, task.optimizer, task.scheduler)
     except CheckpointError as e:
-        raise RunError(str(e)) from None
-    if h != ck["state_sha256"]:
-        raise RunError(f"{ck['file']} does not hold the committed state")
+        raise RunRejected(f"{ckpt_name(step)}: {e}") from None
+    if h != states[step] or got_step != step:
+        raise RunRejected(f"{ckpt_name(step)} does not hold the state the run commits to after step {step}")
     model = copy.deepcopy(task.model).float() if m["mode"] == "fp64" else task.model
-    return {"task": m["task"], "step": ck["step"], "state_sha256": h, **task.evaluate(model)}
+    return {"task": m["task"], "step": step, "state_sha256": h, **task.evaluate(model)}

@@ -37,7 +37,7 @@ from veritrain.task import build  # noqa: E402
 
 CATEGORIES = {
     "kernel": "op kernels (float64; float32 where exact; views)",
-    "fused": "fused kernels (float64 op + round + scan, compiled)",
+    "fused": "fused kernels (float64 op or sum + scale + round + scan, compiled)",
     "round": "rounding to the grid",
     "scan": "near-midpoint scan (bulk test)",
     "scale": "error scales",
@@ -114,6 +114,7 @@ def _targets():
         (rounding.Grid, "candidates", "scan"),
         (engine._EagerSlot, "candidate_indices", "scan"),
         (fused.Epilogues, "run", "scan"),
+        (fused.FusedSums, "run", "fused"),
         (engine._Analysis, "scale", "scale"),
         (rules.LazyScale, "materialize", "scale"),
         (rules.LazyScale, "at", "scale"),
@@ -121,6 +122,7 @@ def _targets():
         (rules.RowSubset, "at", "scale"),
         (rules.RelScale, "materialize", "scale"),
         (engine._FusedSlot, "_eval", "classify"),
+        (engine._SumSlot, "_eval", "classify"),
         (rounding.Grid, "classify", "classify"),
         (rounding.Grid, "apply_direction", "classify"),
         (rounding.Grid, "midpoint_distance", "classify"),

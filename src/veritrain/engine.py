@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import accelerator, decompositions, randomness, rules
-from .fused import Epilogues, FusedKernels, Unfusable
+from .fused import Epilogues, FusedKernels, FusedSums, Unfusable, rows_of
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
 from .rounding import UNIT_ROUNDOFF, Grid
 
@@ -202,10 +202,32 @@ _UNDECLARED_MUTATIONS = {
     and a.get("running_mean") is not None else [],
 }
 
+
+def _picked_nll(func, args, kwargs):
+    """An NLL loss over a (rows, classes) input reads one element per row, input[i, target[i]]: the call on
+    those elements alone, as a one-column input (class 0; ignored rows stay ignored), gives the same float64
+    values, without the float64 copy of a language model's vocabulary-wide log-probabilities. Returns
+    (narrowed named arguments, the picked columns, the number of classes), or None where this does not
+    apply (class weights, ignore_index 0, a target out of range: the op itself reports that)."""
+    named = _named(func, args, kwargs)
+    x, target = named["self"], named["target"]
+    if named.get("weight") is not None or named["ignore_index"] == 0 or x.dim() != 2 or x.shape[1] < 2 \
+            or x.dtype != torch.float32 or target.dim() != 1 or target.shape[0] != x.shape[0]:
+        return None
+    keep = target != named["ignore_index"]
+    if bool((keep & ((target < 0) | (target >= x.shape[1]))).any()):
+        return None
+    cols = torch.where(keep, target, 0)
+    narrowed = {**named, "self": x.gather(1, cols.unsqueeze(1)), "target": torch.where(keep, 0, target)}
+    return narrowed, cols, x.shape[1]
+
+
+_PICKED = {aten.nll_loss_forward.default, aten.nll_loss_backward.default}
 _IGNORED_NAMESPACES = ("profiler",)
 _NOT_FUSED = object()
 _FUSED_CACHE: dict = {}
 _EPILOGUE_CACHE: dict = {}
+_SUMS_CACHE: dict = {}
 
 
 def _flatten_call(args, kwargs):
@@ -357,6 +379,40 @@ class _EagerSlot:
         return s.contiguous().reshape(-1)[idx]
 
 
+class _PickedSlot:
+    """nll_loss_backward's gradient, zero except at one column per row: the rows' values analysed as a
+    one-column result (``inner``), every other element exactly zero (scale 0, never an entry)."""
+
+    def __init__(self, inner: _EagerSlot, cols: torch.Tensor, width: int):
+        self.inner, self.cols, self.width = inner, cols, width
+        self.shape = (inner.shape[0], width)
+        self.op_class = inner.op_class
+        self._y32 = None
+
+    @property
+    def y32(self):
+        if self._y32 is None:
+            self._y32 = torch.zeros(self.shape, dtype=torch.float32, device=self.cols.device)
+            self._y32.scatter_(1, self.cols.unsqueeze(1), self.inner.y32)
+        return self._y32
+
+    def candidate_indices(self, c):
+        rows = self.inner.candidate_indices(c)
+        return rows * self.width + self.cols[rows]
+
+    def _picked(self, idx):
+        rows = idx // self.width
+        return rows, (idx % self.width) == self.cols[rows]
+
+    def values_at(self, idx):
+        rows, hit = self._picked(idx)
+        return torch.where(hit, self.inner.values_at(rows), 0.0)
+
+    def scale_at(self, idx):
+        rows, hit = self._picked(idx)
+        return torch.where(hit, self.inner.scale_at(rows), 0.0)
+
+
 class _FusedSlot:
     """The result of a fused kernel: float32 values and candidates; float64 values recomputed eagerly
     (by the kernel's own Python function) only at the positions that need them."""
@@ -386,6 +442,29 @@ class _FusedSlot:
         return self._eval(idx)[1]
 
 
+class _SumSlot(_FusedSlot):
+    """A compiled sum's result (FusedSums): its candidates' values and scales recomputed by the aten op on
+    their rows alone, the scale by the rule's own definition (rules._reduction_sum)."""
+
+    def __init__(self, y32, cand, func, x, dims, shape, op_class):
+        super().__init__(y32, cand, None, (), (), shape, op_class)
+        self._func, self._x, self._dims, self._rows = func, x, dims, None
+
+    def _eval(self, idx):
+        if self._memo is not None and self._memo[0] is idx:
+            return self._memo[1]
+        if self._rows is None:
+            self._rows = rows_of(self._x, self._dims)
+        rows = self._rows[idx].to(torch.float64)
+        y = self._func(rows, [1])
+        s = rules._reduction_sum(rules.Call(self._func, (rows, [1]), {}, [y]))[0]
+        self._memo = (idx, (y, s))
+        return y, s
+
+
+_FUSED_SUMS = {aten.sum.dim_IntList: aten.sum.dim_IntList, aten.mean.dim: aten.mean.dim}
+
+
 class VerifiedMode(TorchDispatchMode):
     """One training step under the engine. ``writer`` (trainer) or ``reader`` (auditor) or neither."""
 
@@ -406,6 +485,7 @@ class VerifiedMode(TorchDispatchMode):
         self.probe = None  # calibration: called with each approx result before rounding
         self._fk = None
         self._ep = None
+        self._sums = None
         self.emulate = accelerator.active()  # an emulated accelerator or worst-case hardware (accelerator.py)
         self.closed_log: dict | None = None  # logged_step: the writer's summary once the step completed
 
@@ -539,6 +619,11 @@ class VerifiedMode(TorchDispatchMode):
     # --- compute ----------------------------------------------------------------------------------
 
     def _compute(self, func, rule, args, kwargs):
+        picked = None
+        if func in _PICKED and self.emulate is None and self.probe is None:
+            picked = _picked_nll(func, args, kwargs)
+            if picked is not None:
+                args, kwargs = _from_named(func, picked[0], len(_info(func).names))
         leaves, spec = _flatten_call(args, kwargs)
         _check_dtypes(func, leaves)
         info = _info(func)
@@ -571,6 +656,10 @@ class VerifiedMode(TorchDispatchMode):
 
         if rule.kind == rules.APPROX and rule.fused and self.probe is None and self.emulate is None:
             done = self._try_fused(func, rule, info, leaves, spec, args, kwargs, record, scalars)
+            if done is not _NOT_FUSED:
+                return done
+        if func in _FUSED_SUMS and self.probe is None and self.emulate is None:
+            done = self._try_fused_sum(func, rule, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
 
@@ -632,6 +721,8 @@ class VerifiedMode(TorchDispatchMode):
                 slots.append(None)
             elif rule.kind == rules.APPROX:
                 slots.append(_EagerSlot(y, analysis, i, self.grid, None if self.probe else self._epilogues()))
+                if picked is not None and func is aten.nll_loss_backward.default:
+                    slots[-1] = _PickedSlot(slots[-1], picked[1], picked[2])
             else:
                 slots.append(_ExactSlot(y, self.grid))
         finals = self._finish_op(func, record, scalars, slots)
@@ -694,6 +785,26 @@ class VerifiedMode(TorchDispatchMode):
             _write_back(orig, final)
             return orig if func._schema.returns else None
         return final
+
+    def _try_fused_sum(self, func, rule, args, kwargs, record, scalars):
+        named = _named(func, args, kwargs)
+        x = named["self"]
+        if named.get("dtype") is not None or x.dtype != torch.float32 or not x.is_contiguous() or not x.dim() \
+                or not x.numel() or not FusedKernels.enabled_for(x.numel()):
+            return _NOT_FUSED
+        dims = sorted(set(rules._dims(x, named["dim"])))
+        keep = bool(named.get("keepdim"))
+        out_shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape)) if keep \
+            else tuple(n for d, n in enumerate(x.shape) if d not in dims)
+        if self._sums is None:
+            self._sums = _SUMS_CACHE.setdefault((self.grid.bits,), FusedSums(self.grid))
+        out = self._sums.run(x, dims, func is aten.mean.dim, self.config.thresholds[rule.op_class],
+                             self.writer is not None)
+        if out is None:
+            return _NOT_FUSED
+        y32, cand, _ = out
+        slot = _SumSlot(y32, cand, _FUSED_SUMS[func], x, dims, out_shape, rule.op_class)
+        return self._finish_op(func, record, scalars, [slot])[0].view(out_shape)
 
     def _epilogues(self):
         if self._ep is None:

@@ -16,6 +16,7 @@ positions its log names. Anything the kernel cannot handle falls back to the eag
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import warnings
@@ -329,3 +330,91 @@ def _abs_sum_and_min(x, dims, keepdim):
 
 
 REDUCTIONS: dict = {}  # (dimensions, reduced positions) -> its compiled kernel, or False where none
+
+
+class FusedSums:
+    """A sum or mean of a float32 tensor in one compiled pass: read float32, accumulate in float64, and in
+    the same pass its error scale and exactness certificate (rules._reduction_sum's definitions), the rounding
+    and the near-midpoint test. The eager path copies the whole input to float64 first and reads that copy
+    three times (the sum, the scale, the rounding): on a language model's vocabulary-wide rows, one such sum
+    took 124 ms eagerly and 8 ms compiled (bench/RESULTS.md).
+
+    Like the elementwise kernels, this is another correct float64 evaluation of the op (its own summation
+    order); the few candidates are recomputed by ``rows`` (the aten op on those outputs' rows), and the
+    trainer's entries and rounded results come from those values, the auditor's checks too."""
+
+    _ids = itertools.count()
+
+    def __init__(self, grid: Grid):
+        self.grid = grid
+        self._cache: dict = {}
+        self._failed: set = set()
+
+    def run(self, x: torch.Tensor, dims: list, mean: bool, c: float, want_cand: bool):
+        """(y32 flat, candidate mask flat or None, (kept, reduced) sizes) for a contiguous float32 ``x`` summed
+        over ``dims`` (sorted, non-empty), or None where no kernel is available (the caller uses eager ops)."""
+        sizes, reduced = merged_view(x.shape, dims)
+        if not reduced:
+            return None
+        n = math.prod(x.shape[d] for d in dims)
+        certified = not mean or n & (n - 1) == 0  # a mean is certified only for a power-of-two count
+        key = (len(sizes), reduced, mean, certified, float(c), want_cand)
+        if key in self._failed:
+            return None
+        try:
+            k = self._cache.get(key)
+            if k is None:
+                k = self._cache[key] = self._build(len(sizes), reduced, mean, certified, c, want_cand)
+            coef = torch.tensor([math.sqrt(max(n, 1)), float(n)], dtype=torch.float64, device=x.device)
+            out = k(x.view(sizes), coef)
+        except Exception as exc:  # compile or run failure: eager ops for this pattern from now on
+            self._failed.add(key)
+            FusedKernels.warn_once(None, exc)
+            return None
+        kept = x.numel() // n if n else 0
+        y32, cand = (out[0], out[1]) if want_cand else (out, None)
+        return y32.reshape(-1), None if cand is None else cand.reshape(-1), (kept, n)
+
+    def _build(self, ndim, reduced, mean, certified, c, want_cand):
+        from .rules import _EXACT_LIMIT
+
+        g = self.grid
+        dims = repr(list(reduced))
+        lines = [
+            "def kernel(x, coef):",
+            "    x64 = x.to(torch.float64)",
+            f"    y = x64.sum({dims})",
+            "    ax = x64.abs()",
+            f"    s = ax.sum({dims})",
+            # the sum's scale sqrt(n) * sum|x| (a mean's divided by n: the division is one more rounding)
+            "    scale = coef[0] * s / coef[1]" if mean else "    scale = coef[0] * s",
+        ]
+        if mean:
+            lines.append("    y = y / coef[1]")
+        if certified:
+            # exact in any order below 2**52 float32 ulps of the smallest nonzero |x| (rules._certify); the
+            # ulp from the float64 exponent bits, as rules._quantum computes it from frexp
+            lines += [
+                f"    smallest = torch.where(ax == 0, torch.inf, ax).amin({dims})",
+                "    e = ((smallest.view(torch.int64) >> 52) & 2047) - 1023",
+                "    q = ((torch.clamp(e - 23, min=-149) + 1023) << 52).view(torch.float64)",
+                "    q = torch.where(torch.isfinite(smallest), q, torch.inf)",
+                f"    scale = torch.where(s < {_EXACT_LIMIT!r} * q, 0.0, scale)",
+            ]
+        lines.append(f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})")
+        if want_cand:
+            lines.append(f"    return y32, CAND(y, scale, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})")
+        else:
+            lines.append("    return y32")
+        env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
+        exec(compile("\n".join(lines), f"<veritrain fused sum {next(self._ids)}: {ndim}-d over {reduced}>", "exec"),
+             env)
+        return torch.compile(env["kernel"], dynamic=True, fullgraph=True)
+
+
+def rows_of(x: torch.Tensor, dims: list) -> torch.Tensor:
+    """x as (outputs, reduced elements): row i holds what output i (in the result's order) sums. A view
+    where the reduced dimensions come last; a copy otherwise (only for the few candidates' rows)."""
+    kept = [d for d in range(x.dim()) if d not in dims]
+    n = math.prod(x.shape[d] for d in dims)
+    return x.permute(kept + list(dims)).reshape(-1, n)

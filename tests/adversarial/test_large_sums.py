@@ -1,8 +1,8 @@
 """A dishonest trainer against the auditor's compiled sum pass, the auditor on another CPU variant.
 
-Sums over 65536 values or more take their error scale (sqrt(n) * sum |x|) and their exactness certificate
-(sum |x| < 2**52 * the float32 ulp of the smallest nonzero |x|) from one compiled pass
-(fused.abs_sum_and_min), not from the eager definition. The attacker computes both from the definition and
+Sums over 65536 values or more are computed in one compiled pass (fused.FusedSums) with their error scale
+(sqrt(n) * sum |x|) and their exactness certificate (sum |x| < 2**52 * the float32 ulp of the smallest nonzero
+|x|), not by the eager definition; the values and scales at logged positions come from those outputs' rows. The attacker computes both from the definition and
 crafts one step, a row sum of 6 x 65536 float32 values built so that every partial sum is exact in float64
 (the result is the same in any summation order): two rows land 0.5 tau from a float32 midpoint (the
 honest trainer must log them), two 1.5 tau from one (no honest trainer could round them the other way),
@@ -74,21 +74,18 @@ def row_on_a_certified_tie(g) -> torch.Tensor:
 
 CHILD = r"""
 import json, sys, torch
-from veritrain import fused
 from veritrain.engine import EngineConfig, step_context
+from veritrain.fused import FusedSums
 from veritrain.logformat import StepLogReader
 dims = json.loads(sys.argv[2])
 x = torch.load(sys.argv[1])
-sizes, reduced = fused.merged_view(x.shape, dims)
-key = (len(sizes), reduced)
-fused.abs_sum_and_min(x.double(), dims, False)
-compiled = fused.REDUCTIONS[key]
-assert callable(compiled), "the compiled sum pass is not available in the auditor's process"
 calls = [0]
-def counted(*a, **k):
-    calls[0] += 1
-    return compiled(*a, **k)
-fused.REDUCTIONS[key] = counted
+compiled = FusedSums.run
+def counted(self, *a, **k):
+    out = compiled(self, *a, **k)
+    calls[0] += out is not None
+    return out
+FusedSums.run = counted
 result = {}
 for name in sys.argv[3:]:
     with StepLogReader(name, expect_step=0, expect_bits=32) as reader:
@@ -153,7 +150,7 @@ def test_flipped_roundings_of_large_sums_are_rejected_by_an_auditor_on_another_v
     write_records(str(attacked), step, bits, ops)
 
     r = audit_in_child(tmp_path, x, dims, honest, attacked)
-    assert r["compiled_calls"] >= 2  # both replays took the scale from the compiled pass
+    assert r["compiled_calls"] == 2  # both replays computed the sum by the compiled pass
     assert r[str(honest)]["suspicious"] == 0
     assert r[str(honest)]["bits"] == trained.view(torch.int32).tolist()
     assert r[str(attacked)]["suspicious"] == 4 and r[str(attacked)]["rows"] == [2, 3, 4, 5]

@@ -224,7 +224,7 @@ def test_a_wrong_audit_is_the_auditors_fault(trained, tmp_path):
     (tmp_path / "audit" / "audit.json").write_text(json.dumps(state))
     p = cli("dispute", run, tmp_path / "audit", "--json", "--", sys.executable, d / "train.py", run, cwd=d)
     v = json.loads(p.stdout)
-    assert v["verdict"] == "auditor_wrong" and v["interval"] == 1, v
+    assert v["verdict"] == "auditor_wrong" and v["interval"] == 1, (v["reasons"], v.get("step"))
 
 
 def test_the_game_finds_the_step_and_operator_a_trainer_tampered_with(trained, tmp_path):
@@ -280,11 +280,11 @@ def test_the_games_views_of_the_one_model_keep_their_own_states():
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     shared = _SharedState((model, optimizer, None))
     initial = hash_state(model, optimizer, None, 0)
-    a = _LoopTask(shared, _StepBridge(), lambda s: torch.ones(1, 3), None)
+    a = _LoopTask(shared, _StepBridge(), lambda s: torch.ones(1, 3), None, None)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()                                   # a moves on
     moved = hash_state(model, optimizer, None, 0)
-    b = _LoopTask(shared, _StepBridge(), lambda s: torch.ones(1, 3), None)
+    b = _LoopTask(shared, _StepBridge(), lambda s: torch.ones(1, 3), None, None)
     assert hash_state(model, optimizer, None, 0) == initial      # b starts from the script's initial state
     with torch.no_grad():
         model.weight.add_(1.0)                         # b moves elsewhere

@@ -593,10 +593,11 @@ def _in_the_loop(model, optimizer, batch):
 class _LoopTask(Task):
     """A replay's view of the script's model and optimizer: its steps are run by the script's own loop."""
 
-    def __init__(self, shared: _SharedState, bridge: _StepBridge, batch_of, init_stats):
+    def __init__(self, shared: _SharedState, bridge: _StepBridge, batch_of, indices_of, init_stats):
         model, optimizer, scheduler = shared.state
+        # the example indices too: the replay rebuilds each step's data record as the script wrote it
         super().__init__(model=model, optimizer=optimizer, scheduler=scheduler, batch=batch_of,
-                         train_step=_in_the_loop)
+                         batch_indices=indices_of, train_step=_in_the_loop)
         self.shared, self.bridge, self.saved = shared, bridge, shared.initial
         self.script_init_stats = init_stats
         self.hold()
@@ -618,7 +619,7 @@ class _Playing(Run):
     def steps(self, data, num_steps: int):
         """Yield (step, batch) for each step the game replays; after the game, ``self.result`` holds its
         outcome (the verdict, for the challenger)."""
-        batch_of, _, _ = _as_step_data(data, self.seed)
+        batch_of, indices_of, _ = _as_step_data(data, self.seed)
         opts = gaming()
         try:
             prover = _game_prover(opts)
@@ -632,7 +633,7 @@ class _Playing(Run):
             _refuse(f"the prover did not send its manifest ({str(e)[:200]})")
         shared, bridge = _SharedState(self.state), _StepBridge()
         init_stats = self.init.stats if self.init is not None else None
-        register_builder(self.task, lambda config: _LoopTask(shared, bridge, batch_of, init_stats))
+        register_builder(self.task, lambda config: _LoopTask(shared, bridge, batch_of, indices_of, init_stats))
         play = self._challenge if opts["role"] == "challenger" else self._serve
         threading.Thread(target=play, args=(opts, prover, bridge), daemon=True, name="veritrain-game").start()
         while True:

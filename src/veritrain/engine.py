@@ -462,7 +462,7 @@ class _SumSlot(_FusedSlot):
         return y, s
 
 
-_FUSED_SUMS = {aten.sum.dim_IntList: aten.sum.dim_IntList, aten.mean.dim: aten.mean.dim}
+_FUSED_SUMS = {aten.sum.dim_IntList, aten.mean.dim}  # computed by FusedSums where it can
 
 
 class VerifiedMode(TorchDispatchMode):
@@ -803,7 +803,7 @@ class VerifiedMode(TorchDispatchMode):
         if out is None:
             return _NOT_FUSED
         y32, cand, _ = out
-        slot = _SumSlot(y32, cand, _FUSED_SUMS[func], x, dims, out_shape, rule.op_class)
+        slot = _SumSlot(y32, cand, func, x, dims, out_shape, rule.op_class)
         return self._finish_op(func, record, scalars, [slot])[0].view(out_shape)
 
     def _epilogues(self):

@@ -802,7 +802,7 @@ class VerifiedMode(TorchDispatchMode):
                              self.writer is not None)
         if out is None:
             return _NOT_FUSED
-        y32, cand, _ = out
+        y32, cand = out
         slot = _SumSlot(y32, cand, func, x, dims, out_shape, rule.op_class)
         return self._finish_op(func, record, scalars, [slot])[0].view(out_shape)
 

@@ -336,11 +336,12 @@ class FusedSums:
     """A sum or mean of a float32 tensor in one compiled pass: read float32, accumulate in float64, and in
     the same pass its error scale and exactness certificate (rules._reduction_sum's definitions), the rounding
     and the near-midpoint test. The eager path copies the whole input to float64 first and reads that copy
-    three times (the sum, the scale, the rounding): on a language model's vocabulary-wide rows, one such sum
-    took 124 ms eagerly and 8 ms compiled (bench/RESULTS.md).
+    three times (the sum, the scale, the rounding): on a language model's vocabulary-wide rows that was a
+    large part of a step (docs/SPEED.md has the measured change).
 
     Like the elementwise kernels, this is another correct float64 evaluation of the op (its own summation
-    order); the few candidates are recomputed by ``rows`` (the aten op on those outputs' rows), and the
+    order); the few candidates are recomputed by the aten op on those outputs' rows (``rows_of``,
+    engine._SumSlot), and the
     trainer's entries and rounded results come from those values, the auditor's checks too."""
 
     _ids = itertools.count()
@@ -351,7 +352,7 @@ class FusedSums:
         self._failed: set = set()
 
     def run(self, x: torch.Tensor, dims: list, mean: bool, c: float, want_cand: bool):
-        """(y32 flat, candidate mask flat or None, (kept, reduced) sizes) for a contiguous float32 ``x`` summed
+        """(y32 flat, candidate mask flat or None) for a contiguous float32 ``x`` summed
         over ``dims`` (sorted, non-empty), or None where no kernel is available (the caller uses eager ops)."""
         sizes, reduced = merged_view(x.shape, dims)
         if not reduced:
@@ -371,9 +372,8 @@ class FusedSums:
             self._failed.add(key)
             FusedKernels.warn_once(None, exc)
             return None
-        kept = x.numel() // n if n else 0
         y32, cand = (out[0], out[1]) if want_cand else (out, None)
-        return y32.reshape(-1), None if cand is None else cand.reshape(-1), (kept, n)
+        return y32.reshape(-1), None if cand is None else cand.reshape(-1)
 
     def _build(self, ndim, reduced, mean, certified, c, want_cand):
         from .rules import _EXACT_LIMIT

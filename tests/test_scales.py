@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from veritrain import rules
 from veritrain.engine import EngineConfig, _flatten_call, _unflatten_call, step_context
 from veritrain.logformat import StepLogReader, StepLogWriter, read_records
-from veritrain.fused import REDUCTIONS, abs_sum_and_min, merged_view
+from veritrain.fused import REDUCTIONS, SQUARES, abs_sum_and_min, merged_view, sum_of_squares, vector_norm
+from veritrain.rounding import mask_positions
 
 aten = torch.ops.aten
 
@@ -192,3 +193,43 @@ def test_a_sum_of_float64_values_off_the_float32_grid_is_never_certified(tmp_pat
         x.float().double().sum(1)  # the same sums of float32 values are exact: certified, nothing to log
     w.close()
     assert mode.stats.entries_total == 0
+
+
+@pytest.mark.parametrize("shape,transpose", [((768, 3072), False), ((3072, 512), True), ((96, 64, 64), False),
+                                             ((96, 64, 64), True), ((16, 64, 32, 32), False), ((4, 1, 300, 70), True),
+                                             ((70000, 3), True)])
+def test_norms_and_energies_follow_the_definition(shape, transpose):
+    """A matrix product's row and column norms (NormFactor.full) and a convolution's energies and channel
+    norms (rules._convolution, _convolution_backward) are sums of squares over some dimensions: the compiled
+    sum for reductions over outer dimensions, in any layout a transposed operand has, gives the eager ops'
+    values up to summation order, in their shape."""
+    torch.manual_seed(2)
+    x = torch.randn(shape, dtype=torch.float64)
+    if transpose:
+        x = x.transpose(0, -1)
+    patterns = [[d] for d in range(x.dim())] + ([[1], [0, 2, 3]] if x.dim() == 4 else [])
+    for dims in patterns:
+        if len(dims) == 1:
+            got = rules.NormFactor(x, dims[0]).full()
+        else:
+            got = vector_norm(x, dims)
+        want = torch.linalg.vector_norm(x, dim=dims, keepdim=True)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=1e-13, atol=0)
+        assert torch.allclose(sum_of_squares(x, dims), (x * x).sum(dims, keepdim=True), rtol=1e-13, atol=0)
+    if not transpose:  # a reduction over the outermost dimension took the compiled kernel
+        sizes, reduced = merged_view(x.shape, [0])
+        assert callable(SQUARES.get((len(sizes), reduced)))
+
+
+@pytest.mark.parametrize("n", [0, 5, 4096, 4099, 1 << 20])
+@pytest.mark.parametrize("density", [0.0, 1e-6, 1e-3, 0.3, 1.0])
+def test_a_masks_positions_are_its_nonzero_elements(n, density):
+    """rounding.mask_positions (the candidates' positions, found word by word) is torch's nonzero, on any
+    offset, length and density (dense masks take the byte scan)."""
+    g = torch.Generator().manual_seed(n)
+    mask = -(torch.rand(n + 11, generator=g) < density).to(torch.int8)
+    if n:
+        mask[[n // 2, n - 1, n + 2, n + 7]] = -1  # a middle one, and each view's last (a length's tail)
+    for view in (mask[:n], mask[3:n + 3], mask[8:n + 8].view(-1, 1)):
+        assert torch.equal(mask_positions(view), view.reshape(-1).nonzero().squeeze(1))

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import accelerator, decompositions, randomness, rules
 from .fused import Epilogues, FusedKernels, FusedSums, Unfusable, rows_of
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
-from .rounding import UNIT_ROUNDOFF, Grid
+from .rounding import UNIT_ROUNDOFF, Grid, mask_positions
 
 aten = torch.ops.aten
 _FLOAT_OK = (torch.float32, torch.float64)
@@ -364,7 +364,7 @@ class _EagerSlot:
             out = self._epilogues.run(self.y64, s, c)
             if out is not None:
                 self._y32, mask = out
-                return mask.reshape(-1).nonzero().squeeze(1)
+                return mask_positions(mask)
         return self.grid.candidate_positions(self.y64, self.scale(), c)
 
     def values_at(self, idx):
@@ -433,7 +433,7 @@ class _FusedSlot:
         return y, s
 
     def candidate_indices(self, c):
-        return self.cand.reshape(-1).nonzero().squeeze(1)
+        return mask_positions(self.cand)
 
     def values_at(self, idx):
         return self._eval(idx)[0]

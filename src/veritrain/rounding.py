@@ -162,13 +162,35 @@ def candidate_mask(y, scale, c: float, low_mask: int, half: int, value_units: in
     return (d.view(_INT64) >> 63).to(torch.int8)
 
 
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64, ascending) of a one-byte mask's nonzero elements: ``mask.reshape(-1).nonzero()``,
+    found faster when they are rare (candidates are: about one in a million values). torch's nonzero reads
+    the mask byte by byte; this first finds the nonzero 8-byte words, then the bytes inside those words."""
+    flat = mask.reshape(-1)
+    n = flat.numel()
+    if n < _WORD_SCAN_MIN_NUMEL or flat.element_size() != 1 or flat.storage_offset() % 8 or flat.device.type != "cpu":
+        return flat.nonzero().squeeze(1)
+    head = n - n % 8
+    words = flat[:head].view(torch.int64).nonzero().squeeze(1)
+    if words.numel() * 8 > head // 4:  # not rare after all: the byte scan is cheaper than gathering
+        return flat.nonzero().squeeze(1)
+    inside = flat[:head].view(-1, 8)[words].nonzero()
+    pos = words[inside[:, 0]] * 8 + inside[:, 1]
+    if head < n:
+        pos = torch.cat([pos, flat[head:].nonzero().squeeze(1) + head])
+    return pos
+
+
+_WORD_SCAN_MIN_NUMEL = 1 << 12
+
+
 def _candidates_eager(y, scale, c2: float, low_mask: int, half: int, value_units: int, positions: bool = False):
     if y.device.type == "cpu" and y.numel() <= _NUMPY_MAX_NUMEL and y.dtype == scale.dtype == torch.float64:
         mask = _mask_numpy(y, scale, c2, low_mask, half, value_units)
         return torch.from_numpy(np.flatnonzero(mask).astype(np.int64)) if positions \
             else torch.from_numpy(mask).view(y.shape)
     mask = candidate_mask(y, scale, c2, low_mask, half, value_units)
-    return mask.reshape(-1).nonzero().squeeze(1) if positions else mask
+    return mask_positions(mask) if positions else mask
 
 
 def _candidate_mask_numpy(y, scale, c: float, low_mask: int, half: int, value_units: int):
@@ -210,7 +232,7 @@ def _candidates(y, scale, c, grid: Grid, positions: bool = False):
         fn = _get_compiled()
         if fn is not None:
             mask = fn(y.reshape(-1), scale.reshape(-1), c2, grid.low_mask, grid.half, grid.value_units)
-            return mask.nonzero().squeeze(1) if positions else mask.view(y.shape)
+            return mask_positions(mask) if positions else mask.view(y.shape)
     return _candidates_eager(y, scale, c2, grid.low_mask, grid.half, grid.value_units, positions)
 
 

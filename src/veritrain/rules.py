@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .fused import abs_sum_and_min
+from .fused import abs_sum_and_min, sum_of_squares, vector_norm
 
 aten = torch.ops.aten
 
@@ -120,7 +120,7 @@ class NormFactor:
 
     def full(self) -> torch.Tensor:
         if self._full is None:
-            self._full = torch.linalg.vector_norm(self.x, dim=self.dim, keepdim=True)
+            self._full = vector_norm(self.x, [self.dim])
         return self._full
 
     def at(self, coords) -> torch.Tensor:
@@ -133,7 +133,8 @@ class NormFactor:
         rows, inverse = torch.unique(flat, return_inverse=True)
         if rows.numel() * 4 >= flat.new_tensor(outer).prod().item():  # most rows: one pass over x
             return self.full().reshape(-1)[flat]
-        return torch.linalg.vector_norm(x.reshape(-1, x.shape[-1])[rows], dim=-1)[inverse]
+        # gather the rows by their coordinates: x.reshape(-1, n) would copy all of x where dim is not its last
+        return torch.linalg.vector_norm(x[torch.unravel_index(rows, outer)].contiguous(), dim=-1)[inverse]
 
 
 class LazyScale:
@@ -384,7 +385,7 @@ def _convolution(call):
     else:
         n = w.shape[1] * math.prod(k)
         # ||patch of x|| (over all input channels: an upper bound when groups > 1) times ||w_o||
-        energy = aten.convolution((x * x).sum(1, keepdim=True), torch.ones((1, 1) + k, dtype=x.dtype, device=x.device),
+        energy = aten.convolution(sum_of_squares(x, [1]), torch.ones((1, 1) + k, dtype=x.dtype, device=x.device),
                                   None, stride, padding, dilation, False, [0] * len(k), 1)
         wn = _norm(w.flatten(1), 1).view((1, -1) + (1,) * len(k))
         terms = [(_sqrt(n), [energy.clamp_(min=0).sqrt_(), wn])]
@@ -416,7 +417,7 @@ def _convolution_backward(call):
         return out
     bcast = (1, -1) + (1,) * len(k)
     if gi is not None:
-        energy = (go * go).sum(1, keepdim=True)
+        energy = sum_of_squares(go, [1])
         probe = torch.zeros((), dtype=x.dtype, device=x.device).expand((x.shape[0], 1) + tuple(x.shape[2:]))
         back = aten.convolution_backward(energy, probe, torch.ones((1, 1) + k, dtype=x.dtype, device=x.device),
                                          None, stride, padding, dilation, False, output_padding, 1,
@@ -426,8 +427,9 @@ def _convolution_backward(call):
         out[0] = LazyScale([(_sqrt(n), [back.clamp_(min=0).sqrt_(), wn])])
     n_pos = go.shape[0] * math.prod(go.shape[2:])
     if gw is not None:
-        gon = _norm(go.transpose(0, 1).flatten(1), 1)  # (O,)
-        xn = _norm(x.transpose(0, 1).flatten(1), 1).view(groups, -1).amax(0)  # (C/groups,)
+        others = [0, *spatial]
+        gon = vector_norm(go, others).reshape(-1)  # (O,)
+        xn = vector_norm(x, others).reshape(groups, -1).amax(0)  # (C/groups,)
         out[1] = LazyScale([(_sqrt(n_pos), [gon.view((-1, 1) + (1,) * len(k)), xn.view((1, -1) + (1,) * len(k))])])
     if gb is not None:
         ago = go.abs()

@@ -335,9 +335,9 @@ REDUCTIONS: dict = {}  # (dimensions, reduced positions) -> its compiled kernel,
 def sum_of_squares(x: torch.Tensor, dims) -> torch.Tensor:
     """sum of x**2 over ``dims``, keepdim: the energies and norms error scales are built from (rules: a matrix
     product's row and column norms, a convolution's patch energies). ATen's norm over dimensions that are not
-    the innermost ones runs several times slower than a sum over them (a GPT-2 117M step's column norms took
-    7% of the trainer's step), and ``(x * x).sum(dims)`` writes x**2 in full first; a compiled sum of squares
-    reads x once, in any layout. Another summation order changes the result in its last bits, which the
+    the innermost ones runs several times slower than a sum over them, and ``(x * x).sum(dims)`` writes x**2
+    in full first; a compiled sum of squares reads x once, in any layout (docs/SPEED.md has the measured
+    change). Another summation order changes the result in its last bits, which the
     auditor's tolerance (engine.HONEST_TAU) absorbs."""
     out = _compiled_squares(x, dims)
     return (x * x).sum(dims, keepdim=True) if out is None else out

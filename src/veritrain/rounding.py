@@ -164,7 +164,7 @@ def candidate_mask(y, scale, c: float, low_mask: int, half: int, value_units: in
 
 def mask_positions(mask: torch.Tensor) -> torch.Tensor:
     """Flat positions (int64, ascending) of a one-byte mask's nonzero elements: ``mask.reshape(-1).nonzero()``,
-    found faster when they are rare (candidates are: about one in a million values). torch's nonzero reads
+    found faster when they are rare, as candidates are. torch's nonzero reads
     the mask byte by byte; this first finds the nonzero 8-byte words, then the bytes inside those words."""
     flat = mask.reshape(-1)
     n = flat.numel()

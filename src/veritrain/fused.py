@@ -278,19 +278,12 @@ def abs_sum_and_min(x: torch.Tensor, dims: list, keepdim: bool):
     dims = sorted(d % x.dim() for d in dims) if x.dim() else []
     if dims and x.numel() and x.is_contiguous() and FusedKernels.enabled_for(x.numel()):
         sizes, reduced = merged_view(x.shape, dims)
-        key = (len(sizes), reduced)
-        fn = REDUCTIONS.get(key)
-        if fn is None:
-            fn = REDUCTIONS[key] = _compile_reduction(*key)
-        out_shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if keepdim \
-            else [n for d, n in enumerate(x.shape) if d not in dims]
-        if fn is not False:
-            try:
-                s, smallest = fn(x.view(sizes))
-                return s.view(out_shape), smallest.view(out_shape)
-            except Exception as exc:  # no compiler here, or an input it cannot handle: eager ops from now on
-                REDUCTIONS[key] = False
-                FusedKernels.warn_once(None, exc)
+        out = _run_pattern(REDUCTIONS, (len(sizes), reduced), "reduction", "_abs_sum_and_min(x, {reduced!r}, False)",
+                           x.view(sizes))
+        if out is not None:
+            out_shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if keepdim \
+                else [n for d, n in enumerate(x.shape) if d not in dims]
+            return out[0].view(out_shape), out[1].view(out_shape)
     return _abs_sum_and_min(x, tuple(dims), bool(keepdim))
 
 
@@ -312,16 +305,31 @@ def merged_view(shape, dims):
     return sizes, tuple(reduced)
 
 
-def _compile_reduction(ndim: int, reduced: tuple):
-    """A compiled abs_sum_and_min for one pattern, as a function of its own: torch.compile's recompile limit
-    counts per function, and every pattern must keep its kernel."""
-    if not reduced:
-        return False  # nothing to reduce after leaving out size-1 dimensions: the eager ops are cheap
-    src = (f"def reduction(x):\n"
-           f"    return _abs_sum_and_min(x, {reduced!r}, False)\n")
-    env = {"_abs_sum_and_min": _abs_sum_and_min}
-    exec(compile(src, f"<veritrain reduction {ndim}-d over {reduced}>", "exec"), env)
-    return torch.compile(env["reduction"], dynamic=True, fullgraph=True)
+def _run_pattern(table: dict, key: tuple, name: str, body: str, view: torch.Tensor):
+    """Run the compiled kernel ``body`` (an expression in x; ``{reduced}`` stands for the reduced positions)
+    for one pattern ``key`` = (dimensions, reduced positions) on ``view``, or return None: nothing to reduce
+    after leaving out size-1 dimensions (the eager ops are cheap), or no kernel here (no compiler, or an
+    input it cannot handle: eager ops for this pattern from now on). Each pattern is compiled once into
+    ``table`` as a function of its own: torch.compile's recompile limit counts per function, and every
+    pattern must keep its kernel."""
+    fn = table.get(key)
+    if fn is None:
+        ndim, reduced = key
+        fn = False
+        if reduced:
+            env = {"_abs_sum_and_min": _abs_sum_and_min}
+            src = f"def kernel(x):\n    return {body.format(reduced=reduced)}\n"
+            exec(compile(src, f"<veritrain {name} {ndim}-d over {reduced}>", "exec"), env)
+            fn = torch.compile(env["kernel"], dynamic=True, fullgraph=True)
+        table[key] = fn
+    if fn is False:
+        return None
+    try:
+        return fn(view)
+    except Exception as exc:
+        table[key] = False
+        FusedKernels.warn_once(None, exc)
+        return None
 
 
 def _abs_sum_and_min(x, dims, keepdim):
@@ -337,8 +345,8 @@ def sum_of_squares(x: torch.Tensor, dims) -> torch.Tensor:
     product's row and column norms, a convolution's patch energies). ATen's norm over dimensions that are not
     the innermost ones runs several times slower than a sum over them, and ``(x * x).sum(dims)`` writes x**2
     in full first; a compiled sum of squares reads x once, in any layout (docs/SPEED.md has the measured
-    change). Another summation order changes the result in its last bits, which the
-    auditor's tolerance (engine.HONEST_TAU) absorbs."""
+    change). Another summation order changes the result in its last bits, which the auditor's tolerance
+    (engine.HONEST_TAU) absorbs."""
     out = _compiled_squares(x, dims)
     return (x * x).sum(dims, keepdim=True) if out is None else out
 
@@ -353,39 +361,21 @@ def _compiled_squares(x: torch.Tensor, dims):
     """The compiled sum of squares, or None where the eager ops are as fast or no kernel is available: x
     small, not a permutation of a contiguous tensor (a transposed operand is one), or reduced over its
     innermost dimension only (ATen's sums and norms run at memory speed there)."""
-    dims = sorted({d % x.dim() for d in dims})
-    if not x.numel() or not FusedKernels.enabled_for(x.numel()):
+    if not x.dim() or not x.numel() or not FusedKernels.enabled_for(x.numel()):
         return None
+    dims = sorted({d % x.dim() for d in dims})
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
     xc = x.permute(order)
     if not xc.is_contiguous():
         return None
     sizes, reduced = merged_view(xc.shape, [order.index(d) for d in dims])
-    if not reduced or reduced == (len(sizes) - 1,):
+    if reduced == (len(sizes) - 1,):
         return None
-    key = (len(sizes), reduced)
-    fn = SQUARES.get(key)
-    if fn is None:
-        fn = SQUARES[key] = _compile_squares(*key)
-    if fn is False:
-        return None
-    try:
-        out = fn(xc.view(sizes))
-    except Exception as exc:  # no compiler here: eager ops from now on
-        SQUARES[key] = False
-        FusedKernels.warn_once(None, exc)
+    out = _run_pattern(SQUARES, (len(sizes), reduced), "sum of squares", "(x * x).sum({reduced!r})", xc.view(sizes))
+    if out is None:
         return None
     kept = [1 if d in dims else n for d, n in enumerate(x.shape)]
     return out.view([kept[d] for d in order]).permute([order.index(d) for d in range(x.dim())]).contiguous()
-
-
-def _compile_squares(ndim: int, reduced: tuple):
-    """A compiled sum of squares for one pattern, a function of its own (as _compile_reduction)."""
-    src = (f"def squares(x):\n"
-           f"    return (x * x).sum({reduced!r})\n")
-    env: dict = {}
-    exec(compile(src, f"<veritrain sum of squares {ndim}-d over {reduced}>", "exec"), env)
-    return torch.compile(env["squares"], dynamic=True, fullgraph=True)
 
 
 SQUARES: dict = {}  # (dimensions, reduced positions) -> its compiled sum of squares, or False where none

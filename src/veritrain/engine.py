@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import accelerator, decompositions, randomness, rules
+from . import accelerator, capture, decompositions, randomness, rules
 from .fused import Epilogues, FusedKernels, FusedSums, Unfusable, rows_of
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
 from .rounding import UNIT_ROUNDOFF, Grid, mask_positions
@@ -487,12 +487,26 @@ class VerifiedMode(TorchDispatchMode):
         self._ep = None
         self._sums = None
         self.emulate = accelerator.active()  # an emulated accelerator or worst-case hardware (accelerator.py)
+        self.recorder: capture.Recorder | None = None  # records the ops of a decomposition being captured
         self.closed_log: dict | None = None  # logged_step: the writer's summary once the step completed
 
     # --- entry ----------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        rec = self.recorder
+        if rec is None:
+            return self._dispatch(func, args, kwargs)
+        self.recorder = None  # what this op runs through the engine in turn is part of it, not of the region
+        before = self.op_index
+        try:
+            out = self._dispatch(func, args, kwargs)
+        finally:
+            self.recorder = rec
+        rec.add(func, args, kwargs, out, self.op_index - before)
+        return out
+
+    def _dispatch(self, func, args, kwargs):
         if func.namespace in _IGNORED_NAMESPACES or _on_meta(args):
             return func(*args, **kwargs)  # meta tensors (e.g. a model being loaded) hold no values to round
         name = rules.base_name(func)
@@ -508,8 +522,9 @@ class VerifiedMode(TorchDispatchMode):
         if rule.kind == rules.DECOMPOSE:
             if not self.rounding:
                 return func(*args, **kwargs)
-            with self:  # every step of the decomposition goes through the engine again
-                return decompositions.lookup(func)(*args, **kwargs)
+            if capture.applies(self):  # replayed as one compiled function where it can be (capture.py)
+                return capture.run(self, func, args, kwargs)
+            return capture.fallback(self, func, args, kwargs)  # every step through the engine again
         if not self.rounding:
             if rule.kind == rules.RANDOM:
                 return self._random(func, args, kwargs)
@@ -579,17 +594,15 @@ class VerifiedMode(TorchDispatchMode):
         for i, x in enumerate(leaves):
             if type(x) is not float or not math.isfinite(x):
                 continue
-            x32 = float(np.float32(x))
             if i in forced:
                 leaves[i] = self._force_scalar(x, forced[i], i)
                 forced_used.add(i)
                 continue
-            if x32 != x and record_scalars is not None:
-                other = float(np.nextafter(np.float32(x32), np.float32(math.copysign(math.inf, x - x32))))
-                mid = (x32 + other) / 2 if math.isfinite(other) else x32
-                if abs(x - mid) < SCALAR_THRESHOLD * abs(x):
-                    record_scalars.append((i, abs(x32) > abs(x)))
-            leaves[i] = x32
+            if record_scalars is not None:
+                away = _scalar_entry(x)
+                if away is not None:
+                    record_scalars.append((i, away))
+            leaves[i] = float(np.float32(x))
 
     def _unused_forced(self, func, leaves, forced):
         for pos in forced:
@@ -1129,6 +1142,17 @@ class VerifiedMode(TorchDispatchMode):
 
 
 # --- small helpers ------------------------------------------------------------------------------
+
+
+def _scalar_entry(x: float):
+    """For a finite Python float scalar: whether its float32 rounding goes away from zero, where it lies
+    within SCALAR_THRESHOLD of a float32 midpoint (the trainer logs that decision); None elsewhere."""
+    x32 = float(np.float32(x))
+    if x32 == x:
+        return None
+    other = float(np.nextafter(np.float32(x32), np.float32(math.copysign(math.inf, x - x32))))
+    mid = (x32 + other) / 2 if math.isfinite(other) else x32
+    return abs(x32) > abs(x) if abs(x - mid) < SCALAR_THRESHOLD * abs(x) else None
 
 
 def _device_error(step, func, leaves, e):

@@ -302,6 +302,7 @@ class StepLogReader:
         self._names: list[str] = []
         self.totals = StepTotals()
         self.end: StepTotals | None = None
+        self._unread: list[OpRecord] = []  # records given back (unread), returned again first
         self.index = 0
         self._numel_total = 0
         tag = self._read(1)
@@ -366,6 +367,8 @@ class StepLogReader:
 
     def next_op(self) -> OpRecord | None:
         """The next OP record, or None once END has been read."""
+        if self._unread:
+            return self._unread.pop()
         if self.end is not None:
             return None
         while True:
@@ -385,6 +388,10 @@ class StepLogReader:
                 return None
             else:
                 raise LogFormatError(f"{self.source}: unknown record tag {tag!r}")
+
+    def unread(self, records: list):
+        """Give back ``records`` (the last ones ``next_op`` returned, in order): ``next_op`` returns them again."""
+        self._unread.extend(reversed(records))
 
     def _op(self) -> OpRecord:
         nid = self._varint()

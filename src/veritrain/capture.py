@@ -1,0 +1,466 @@
+"""Captured composites: a decomposed operator recorded once as the engine runs it, then replayed as one
+compiled function while its signature (the shapes, strides and dtypes of its tensors, its other arguments)
+stays the same.
+
+Why: decompositions.py computes BatchNorm, LayerNorm and the softmaxes as their steps, each step rounded,
+so that their full-size steps are exact and never logged. That is about twenty engine ops per BatchNorm
+call, forward or backward, each paying the dispatch mode's per-op work and its own passes over memory;
+on small models that per-op work, not float64 arithmetic, is most of a verified step (docs/SPEED.md).
+
+How: the first call with a signature runs under the engine as before and is recorded: every op the engine
+handled, which earlier tensors fed it, and the log record it wrote (name, scalar entries, output shapes).
+Each op is then lowered to what the engine computes for it (``LOWERINGS``): a view or copy as itself, an
+exact op as its float32 kernel (at b = 32 the same bits as float64 rounded, ROUNDING.md), an approximate
+op in float64 with its error scale, rounded to the grid, with the near-midpoint test. The whole sequence
+is one function given to ``torch.compile``. Later calls with that signature run it and write the same
+records, in the same order, as the eager ops would.
+
+It replays only where the eager engine would log nothing in the region; otherwise the decomposition runs
+step by step under the engine, exactly as without capture (``fallback``):
+
+* the trainer's compiled pass finds a candidate (a result near a rounding midpoint) in any of the region's
+  approximate ops: the eager engine classifies and logs it. (A compiled float64 result is another correct
+  evaluation of the op, as for the fused kernels: where it finds no candidate, no machine within the error
+  model rounds any result differently, so no entry is needed; fused.py.)
+* the auditor's log has an entry, a scalar entry other than the one an honest trainer writes, or a record
+  that differs from the template for any of the region's ops: the eager engine applies and checks them
+  (and names any problem, as it always does).
+* anything the lowering does not cover (random ops, writes other than a copy into an argument, float64
+  operands, other grids than float32, a tensor from outside the call): that signature stays eager.
+
+A region that keeps falling back (a language model's log-softmax over its vocabulary has candidates in
+most steps) is no longer tried. The same switch as the fused kernels turns capture on
+(``VERITRAIN_COMPILE``: 1 always, 0 never, by default for regions whose largest tensor has at least
+``VERITRAIN_COMPILE_MIN_NUMEL`` elements); tests/test_capture.py holds it to the eager engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+
+import numpy as np
+import torch
+
+from . import decompositions, rules
+from .fused import FusedKernels, _round_to_grid
+from .logformat import OutputEntries
+from .rounding import candidate_mask
+
+aten = torch.ops.aten
+MIN_TRIES = 4  # replays before a region's fallback share is judged
+MAX_FALLBACK_SHARE = 0.5  # beyond it, the region stays eager from then on
+_ATOMIC = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+class Uncapturable(Exception):
+    """The recorded stream holds something the lowering does not cover."""
+
+
+class _Template:
+    """What the eager engine writes to the log for one op: its name, scalar entries and output shapes, and
+    what its statistics count."""
+
+    __slots__ = ("label", "scalars", "shapes", "entries", "rounded", "analysed")
+
+    def __init__(self, label, scalars, shapes, rounded, analysed):
+        self.label, self.scalars, self.shapes = label, scalars, shapes
+        self.entries = [OutputEntries(s) for s in shapes]
+        self.rounded, self.analysed = rounded, analysed
+
+
+class Region:
+    """One signature's recorded stream, lowered and compiled."""
+
+    _ids = itertools.count()
+
+    def __init__(self, n_inputs, lines, env, templates, results, mutations, want_cand):
+        self.n_inputs, self.templates, self.results, self.mutations = n_inputs, templates, results, mutations
+        self.want_cand = want_cand
+        self.source = "\n".join(lines)
+        self._env = env
+        self._fn = None
+        self.replays = 0
+        self.fallbacks = 0
+        self.broken = False
+
+    def program(self):
+        if self._fn is None:
+            env = dict(self._env)
+            exec(compile(self.source, f"<veritrain captured region {next(self._ids)}>", "exec"), env)
+            self._fn = torch.compile(env["program"], dynamic=False, fullgraph=True)
+        return self._fn
+
+    @property
+    def worn_out(self) -> bool:
+        tries = self.replays + self.fallbacks
+        return self.broken or tries >= MIN_TRIES and self.fallbacks > MAX_FALLBACK_SHARE * tries
+
+
+_EAGER = object()  # a signature that is not captured
+# signature -> Region, _EAGER, or the number of its recorded calls that had log entries (recorded again)
+_CACHE: dict = {}
+NOISY_CALLS = 3  # recorded calls with log entries after which a signature stays eager
+_LOCK = threading.Lock()
+
+
+def applies(mode) -> bool:
+    """Capture runs for verified steps on the float32 grid, without the emulated accelerator, calibration
+    probes or the verification game's per-op traces (those want every op under the eager engine)."""
+    return mode.grid.drop == 0 and mode.emulate is None and mode.probe is None and mode.trace is None
+
+
+def run(mode, func, args, kwargs):
+    """``func``'s decomposition under ``mode``: replayed from its capture where one applies; otherwise run
+    step by step by the engine (and recorded, the first time its signature is seen)."""
+    from .engine import _flatten_call
+
+    leaves, spec = _flatten_call(args, kwargs)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if not FusedKernels.enabled_for(max((t.numel() for t in tensors), default=0)):
+        return fallback(mode, func, args, kwargs)
+    key = _signature(mode, func, leaves, spec, tensors)
+    region = _CACHE.get(key, _EAGER) if key is not None else _EAGER
+    if key is not None and (key not in _CACHE or isinstance(region, int)):
+        return _record(mode, func, args, kwargs, key, tensors)
+    if region is _EAGER or region.worn_out:
+        return fallback(mode, func, args, kwargs)
+    return _replay(mode, func, args, kwargs, region, tensors)
+
+
+def fallback(mode, func, args, kwargs):
+    with mode:  # every step of the decomposition goes through the engine again
+        return decompositions.lookup(func)(*args, **kwargs)
+
+
+def _signature(mode, func, leaves, spec, tensors):
+    """A hashable key that fixes everything the decomposition's Python reads (shapes, flags, scalars) and
+    everything the compiled function depends on; None where the call cannot be captured."""
+    if spec[0] != "call":
+        return None
+    parts = [func, spec[1], spec[2], tuple(spec[3]), mode.writer is not None, tuple(sorted(mode.config.thresholds.items()))]
+    first = {}
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            parts.append((x.dtype, tuple(x.shape), x.stride(), x.storage_offset(), x.device,
+                          first.setdefault(id(x), len(first))))
+        elif isinstance(x, float):
+            parts.append(("float", x.hex()))
+        elif isinstance(x, _ATOMIC):
+            parts.append((type(x).__name__, x))
+        else:
+            return None
+    # distinct tensors that share memory (one a view of another) would be read and written as if apart
+    storages = {}
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        if ptr is not None and storages.setdefault(ptr, id(t)) != id(t):
+            return None
+    return tuple(parts)
+
+
+# --- recording ------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Collects the ops the engine handles while one call of a decomposition runs (engine.VerifiedMode
+    calls ``add`` after each)."""
+
+    def __init__(self, mode, tensors):
+        self.mode = mode
+        self.inputs = list(tensors)  # kept alive, so their ids stay theirs
+        self.refs = {id(t): f"i{k}" for k, t in enumerate(tensors)}
+        self.keep = []
+        self.ops = []  # (func, rule, leaves, spec, outputs, logged)
+        self.problem = None
+        self.records = []  # what the trainer's writer received, to check the templates against
+
+    def add(self, func, args, kwargs, out, logged):
+        from .engine import _flatten_call, _flatten_result
+
+        if self.problem is not None:
+            return
+        leaves, spec = _flatten_call(args, kwargs)
+        outs = _flatten_result(out)
+        self.keep.append(outs)
+        self.ops.append((func, leaves, spec, outs, logged))
+
+
+def _record(mode, func, args, kwargs, key, tensors):
+    rec = Recorder(mode, tensors)
+    writer = mode.writer
+    if writer is not None:
+        write = writer.op
+
+        def op(name, scalars, outputs, rounded):
+            rec.records.append((name, [(int(p), bool(b)) for p, b in scalars], [tuple(o.shape) for o in outputs],
+                                rounded))
+            return write(name, scalars, outputs, rounded)
+
+        writer.op = op
+    entries = _entries(mode.stats)
+    mode.recorder = rec
+    try:
+        out = fallback(mode, func, args, kwargs)
+    finally:
+        mode.recorder = None
+        if writer is not None:
+            del writer.op
+    if _entries(mode.stats) > entries:
+        # a call that needed log entries: its replay would fall back; capture a later, quiet call instead
+        noisy = _CACHE.get(key, 0) + 1
+        with _LOCK:
+            _CACHE[key] = noisy if noisy < NOISY_CALLS else _EAGER
+        return out
+    try:
+        region = _lower(mode, rec, out)
+    except Uncapturable:
+        region = _EAGER
+    with _LOCK:
+        _CACHE[key] = region
+    return out
+
+
+def _entries(stats) -> int:
+    """Tensor entries the step has written or read so far."""
+    return sum(stats.entries_dir.values()) + sum(stats.entries_val.values())
+
+
+# --- lowering -------------------------------------------------------------------------------------------
+
+
+def _lower(mode, rec: Recorder, out) -> Region:
+    """The recorded stream as the source of one function ``program(i0, i1, ...)`` returning the call's
+    results, the new values of the arguments it wrote, and (trainer) whether any result is a candidate."""
+    from .engine import _flatten_result, _info, _named, _scalar_entry
+
+    grid = mode.grid
+    refs = dict(rec.refs)
+    env = {"torch": torch, "ROUND": _round_to_grid, "CAND": candidate_mask, "INF": math.inf}
+    lines = [f"def program({', '.join(f'i{k}' for k in range(len(rec.inputs)))}):"]
+    templates, cands, mutations, written = [], [], [], set()
+    want = mode.writer is not None
+    round_args = f"{grid.drop}, {grid.cell_bits}, {grid.half}, {grid.low_mask}, {grid.min_spacing!r}"
+
+    for j, (func, leaves, spec, outs, logged) in enumerate(rec.ops):
+        if spec[0] != "call":
+            raise Uncapturable(f"{func}: nested arguments")
+        names = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                r = refs.get(id(x))
+                if r is None:
+                    raise Uncapturable(f"{func}: a tensor from outside the call")
+                if r in written:
+                    raise Uncapturable(f"{func}: reads an argument the region wrote")
+                names.append(r)
+            else:
+                names.append(None)
+        named = _named(func, *_unflatten(leaves, spec))
+        rule = rules.lookup(func, named if isinstance(rules.RULES.get(rules.base_name(func)), rules.Choose) else None)
+        info = _info(func)
+        float_out = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        results = [f"v{j}_{m}" for m in range(len(outs))]
+
+        if rule.kind == rules.PASSTHROUGH or (logged == 0 and rule.kind in (rules.EXACT, rules.APPROX)):
+            if logged:
+                raise Uncapturable(f"{func}: logged")
+            if func is aten.copy_.default and names[0] in rec.refs.values() and names[1] is not None:
+                mutations.append((int(names[0][1:]), names[1]))  # the argument's new value, applied after
+                written.add(names[0])
+                refs[id(outs[0])] = names[1]
+                continue
+            if func._schema.is_mutable:
+                raise Uncapturable(f"{func}: writes its arguments")
+            call = _render(func, leaves, spec, names, env, j, upcast=False)
+            lines.append(f"    {_targets(results)} = {call}")
+        elif rule.kind in (rules.EXACT, rules.APPROX):
+            if logged != 1 or info.variant != "plain" or named.get("dtype") is not None:
+                raise Uncapturable(f"{func}: not a plain op")
+            if any(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32 for x in leaves) \
+                    or any(o.dtype != torch.float32 for o in float_out) or len(float_out) != len(outs):
+                raise Uncapturable(f"{func}: operands or results other than float32")
+            scalars = []
+            rounded = list(leaves)
+            for i, x in enumerate(leaves):
+                if type(x) is float and math.isfinite(x):
+                    away = _scalar_entry(x)
+                    if away is not None:
+                        scalars.append((i, away))
+                    rounded[i] = float(np.float32(x))
+            n = sum(o.numel() for o in outs)
+            templates.append(_Template(info.label, scalars, [tuple(o.shape) for o in outs], n,
+                                       n if rule.kind == rules.APPROX else 0))
+            if rule.kind == rules.EXACT:  # the float32 kernel: the same bits at b = 32 (ROUNDING.md)
+                lines.append(f"    {_targets(results)} = {_render(func, rounded, spec, names, env, j, upcast=False)}")
+            else:
+                if len(outs) != 1:
+                    raise Uncapturable(f"{func}: several outputs")
+                c = float(mode.config.thresholds[rule.op_class])
+                lines += _lower_approx(func, rule, rounded, spec, names, env, j, c)
+                lines.append(f"    {results[0]} = ROUND(y{j}, {round_args})")
+                if want:
+                    lines.append(f"    c{j} = CAND(y{j}, s{j}, {c!r}, {grid.low_mask}, {grid.half}, {grid.value_units})")
+                    cands.append(f"c{j}")
+        else:
+            raise Uncapturable(f"{func}: {rule.kind} op")
+        for m, o in enumerate(outs):
+            if isinstance(o, torch.Tensor):
+                refs.setdefault(id(o), results[m])
+
+    result_names = []
+    for o in _flatten_result(out):
+        if o is None:
+            result_names.append(None)
+        elif isinstance(o, torch.Tensor) and id(o) in refs:
+            result_names.append(refs[id(o)])
+        else:
+            raise Uncapturable("a result the region did not compute")
+    got = [r for r in result_names if r is not None and not r.startswith("i")]
+    muts = [r for _, r in mutations]
+    flag = "None"
+    if cands:
+        flag = f"torch.stack([{', '.join(f'{c}.any()' for c in cands)}]).any()"
+    lines.append(f"    return ({', '.join(got)}{',' if got else ''}), ({', '.join(muts)}{',' if muts else ''}), {flag}")
+
+    if want:  # the templates must be what the eager engine wrote (entries aside)
+        seen = [(t.label, t.scalars, t.shapes, t.rounded) for t in templates]
+        if seen != rec.records:
+            raise Uncapturable("the templates differ from the records written")
+    structure = (type(out), [r is not None for r in result_names]) if isinstance(out, (tuple, list)) else None
+    return Region(len(rec.inputs), lines, env, templates, (structure, result_names),
+                  [k for k, _ in mutations], want)
+
+
+def _lower_approx(func, rule, leaves, spec, names, env, j, c):
+    """Source lines computing ``y{j}`` (the float64 result) and ``s{j}`` (its error scale), as the eager engine
+    defines them (rules.py): sums and means as fused.FusedSums computes them, elementwise ops by their
+    shared scale function."""
+    from .engine import _named
+
+    named = _named(func, *_unflatten(leaves, spec))
+    if func in (aten.sum.dim_IntList, aten.mean.dim):
+        x = named["self"]
+        if not x.dim() or not x.numel():
+            raise Uncapturable(f"{func}: a 0-d or empty operand")
+        xn = names[[i for i, v in enumerate(leaves) if v is x][0]]
+        dims = sorted(set(rules._dims(x, named.get("dim"))))
+        keep = bool(named.get("keepdim"))
+        n = rules._count(x, dims)
+        mean = func is aten.mean.dim
+        out = [f"    x{j} = {xn}.to(torch.float64)",
+               f"    y{j} = x{j}.sum({dims!r}, keepdim={keep})",
+               f"    a{j} = x{j}.abs()",
+               f"    t{j} = a{j}.sum({dims!r}, keepdim={keep})",
+               f"    s{j} = {rules._sqrt(n)!r} * t{j}" + (f" / {float(max(n, 1))!r}" if mean else "")]
+        if mean:
+            out.append(f"    y{j} = y{j} / {float(n)!r}")
+        if not mean or n & (n - 1) == 0:  # the exactness certificate (rules._reduction_sum, fused.FusedSums)
+            out += [f"    m{j} = torch.where(a{j} == 0, INF, a{j}).amin({dims!r}, keepdim={keep})",
+                    f"    e{j} = ((m{j}.view(torch.int64) >> 52) & 2047) - 1023",
+                    f"    q{j} = ((torch.clamp(e{j} - 23, min=-149) + 1023) << 52).view(torch.float64)",
+                    f"    q{j} = torch.where(torch.isfinite(m{j}), q{j}, INF)",
+                    f"    s{j} = torch.where(t{j} < {rules._EXACT_LIMIT!r} * q{j}, 0.0, s{j})"]
+        return out
+    if rule.fused is None:
+        raise Uncapturable(f"{func}: no scale the compiled function can compute")
+    env[f"SCALE{j}"] = rule.fused
+    tensor_args, kw = [], {}
+    for a in func._schema.arguments:
+        v = named.get(a.name)
+        if isinstance(v, torch.Tensor):
+            tensor_args.append(names[[i for i, x in enumerate(leaves) if x is v][0]] + ".to(torch.float64)")
+        elif isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
+            raise Uncapturable(f"{func}: a tensor list")
+        else:
+            kw[a.name] = v
+    env[f"KW{j}"] = kw
+    return [f"    y{j} = {_render(func, leaves, spec, names, env, j, upcast=True)}",
+            f"    s{j} = SCALE{j}(y{j}, ({', '.join(tensor_args)}{',' if tensor_args else ''}), KW{j})"]
+
+
+def _render(func, leaves, spec, names, env, j, upcast):
+    """The source of one call ``F{j}(...)``: tensors by name (float ones upcast to float64 when asked), the
+    other arguments as constants in ``env``."""
+    env[f"F{j}"] = func
+    exprs = []
+    for i, x in enumerate(leaves):
+        if names[i] is not None:
+            exprs.append(f"{names[i]}.to(torch.float64)" if upcast and x.is_floating_point() else names[i])
+        else:
+            env[f"K{j}_{i}"] = x
+            exprs.append(f"K{j}_{i}")
+    _, n_args, keys, shape = spec
+    values, i = [], 0
+    for entry in shape:
+        if entry is None:
+            values.append(exprs[i])
+            i += 1
+        else:
+            kind, n = entry
+            inner = ", ".join(exprs[i:i + n])
+            values.append(f"[{inner}]" if kind is list else f"({inner}{',' if n == 1 else ''})")
+            i += n
+    parts = values[:n_args] + [f"{k}={v}" for k, v in zip(keys, values[n_args:])]
+    return f"F{j}({', '.join(parts)})"
+
+
+def _targets(results):
+    return results[0] if len(results) == 1 else "(" + ", ".join(results) + (",)" if len(results) == 1 else ")")
+
+
+def _unflatten(leaves, spec):
+    from .engine import _unflatten_call
+
+    return _unflatten_call(list(leaves), spec)
+
+
+# --- replay ---------------------------------------------------------------------------------------------
+
+
+def _replay(mode, func, args, kwargs, region: Region, tensors):
+    reader, writer = mode.reader, mode.writer
+    read = []
+    if reader is not None:
+        for t in region.templates:
+            rec = reader.next_op()
+            if rec is not None:
+                read.append(rec)
+            if rec is None or rec.name != t.label or [tuple(o.shape) for o in rec.outputs] != t.shapes \
+                    or any(o.n_entries for o in rec.outputs) or [(int(p), bool(b)) for p, b in rec.scalars] != t.scalars:
+                reader.unread(read)  # the eager engine reads them again, and applies and checks what they say
+                region.fallbacks += 1
+                return fallback(mode, func, args, kwargs)
+    try:
+        with torch.no_grad():
+            results, new_values, flag = region.program()(*tensors)
+    except Exception as exc:  # compile or run failure: eager from now on, same results
+        region.broken = True
+        FusedKernels.warn_once(func, exc)
+        if reader is not None:
+            reader.unread(read)
+        return fallback(mode, func, args, kwargs)
+    if flag is not None and bool(flag):  # a candidate: the eager engine classifies and logs it
+        region.fallbacks += 1
+        return fallback(mode, func, args, kwargs)
+    region.replays += 1
+    stats, phase = mode.stats, mode._phase()
+    for k, t in enumerate(region.templates):
+        mode.op_index += 1
+        stats.ops += 1
+        stats.rounded[phase] += t.rounded
+        if writer is not None or reader is not None:
+            stats.entries_scalar += len(t.scalars)
+        if writer is not None:
+            stats.analysed += t.analysed
+            writer.op(t.label, t.scalars, t.entries, t.rounded)
+    for k, value in zip(region.mutations, new_values):
+        tensors[k].copy_(value)
+    structure, names = region.results
+    it = iter(results)
+    values = [None if n is None else tensors[int(n[1:])] if n.startswith("i") else next(it) for n in names]
+    if structure is None:
+        return values[0]
+    kind, _ = structure
+    return kind(values)

@@ -1,0 +1,172 @@
+"""Captured composites (capture.py): a decomposed operator replayed as one compiled function gives the eager
+engine's results and log, bit for bit, for the trainer and the auditor; anything the eager engine would log
+or check inside a region (a candidate, a log entry, a scalar entry, another record) runs it step by step."""
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from veritrain import capture
+from veritrain.engine import EngineConfig, logged_step
+from veritrain.logformat import OutputEntries, StepLogReader, StepLogWriter, read_records, write_records
+
+STEPS = 3
+
+
+class Net(torch.nn.Module):
+    """Every decomposition: BatchNorm (training and eval), LayerNorm, softmax and log-softmax, forward and
+    backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(6)
+        self.frozen = torch.nn.BatchNorm2d(6).eval()
+        self.fc = torch.nn.Linear(6 * 8 * 8, 12)
+        self.ln = torch.nn.LayerNorm(12)
+
+    def forward(self, x):
+        h = self.frozen(torch.relu(self.bn(self.conv(x)))).flatten(1)
+        h = self.ln(self.fc(h))
+        return torch.log_softmax(h, -1) + torch.softmax(h, -1)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 12, (8,), generator=g)
+
+
+def train(tmp_path, name, compile_mode, monkeypatch, config=None, replay_of=None):
+    """Train (or, with ``replay_of``, replay that run's logs) STEPS steps; returns (weights digest, stats)."""
+    monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+    capture._CACHE.clear()
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    cfg = config or EngineConfig()
+    stats = []
+    for s in range(STEPS):
+        x, y = batch(s)
+        if replay_of is None:
+            io = {"writer": StepLogWriter(str(tmp_path / f"{name}-{s}.vtlog"), s, 32)}
+        else:
+            io = {"reader": StepLogReader(str(tmp_path / f"{replay_of}-{s}.vtlog"), expect_step=s, expect_bits=32)}
+        with logged_step(cfg, s, **io) as mode:
+            opt.zero_grad()
+            out = net(x)
+            loss = -out[torch.arange(8), y].mean()
+            loss.backward()
+            opt.step()
+        stats.append(mode.stats)
+    digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values())).hexdigest()
+    return digest, stats
+
+
+def regions():
+    return {k[0].name(): (v.replays, v.fallbacks) for k, v in capture._CACHE.items() if isinstance(v, capture.Region)}
+
+
+def log_bytes(tmp_path, name):
+    return [(tmp_path / f"{name}-{s}.vtlog").read_bytes() for s in range(STEPS)]
+
+
+def test_the_trainer_writes_the_eager_log_and_weights(tmp_path, monkeypatch):
+    eager, eager_stats = train(tmp_path, "eager", "0", monkeypatch)
+    captured, captured_stats = train(tmp_path, "captured", "1", monkeypatch)
+    replayed = regions()
+    # every decomposition was captured and replayed (so the comparison below is not eager against eager)
+    assert {"aten::native_batch_norm", "aten::native_batch_norm_backward", "aten::native_layer_norm",
+            "aten::native_layer_norm_backward", "aten::_softmax", "aten::_log_softmax"} <= set(replayed)
+    assert all(r > 0 for r, _ in replayed.values()), replayed
+    assert captured == eager
+    assert log_bytes(tmp_path, "captured") == log_bytes(tmp_path, "eager")
+    assert [s.as_dict() for s in captured_stats] == [s.as_dict() for s in eager_stats]
+
+
+def test_the_auditor_replays_an_eager_trainer_with_capture(tmp_path, monkeypatch):
+    trained, _ = train(tmp_path, "run", "0", monkeypatch)
+    eager, eager_stats = train(tmp_path, "x", "0", monkeypatch, replay_of="run")
+    audited, audit_stats = train(tmp_path, "x", "1", monkeypatch, replay_of="run")
+    assert all(r > 0 for r, _ in regions().values()) and regions()
+    assert audited == trained == eager
+    assert [s.as_dict() for s in audit_stats] == [s.as_dict() for s in eager_stats]
+    assert not any(s.suspicious_count for s in audit_stats)
+
+
+def test_a_candidate_inside_a_region_runs_it_step_by_step(tmp_path, monkeypatch):
+    """Thresholds so wide that every sum and rsqrt is a candidate: the trainer's compiled pass finds them, so each
+    region with a sum falls back, and the eager engine logs them (the same log as without capture)."""
+    wide = EngineConfig(thresholds={"accumulate": 2.0**40, "elementwise": 2.0**40})
+    eager, _ = train(tmp_path, "eager", "0", monkeypatch, config=wide)
+    # a recorded call with entries is not captured (its replays would fall back): capture them anyway
+    monkeypatch.setattr(capture, "_entries", lambda stats: 0)
+    captured, stats = train(tmp_path, "captured", "1", monkeypatch, config=wide)
+    fell_back = regions()
+    assert captured == eager
+    assert log_bytes(tmp_path, "captured") == log_bytes(tmp_path, "eager")
+    assert fell_back["aten::native_batch_norm"][1] > 0 and fell_back["aten::native_layer_norm"][1] > 0, fell_back
+    assert sum(s.entries_total for s in stats) > 0
+
+
+def _forge(tmp_path, name, step, op_name, edit):
+    """Rewrite one step's log with ``edit`` applied to the first record named ``op_name``."""
+    path = str(tmp_path / f"{name}-{step}.vtlog")
+    _, bits, records = read_records(path)
+    k = next(i for i, r in enumerate(records) if r.name == op_name)
+    edit(records[k])
+    write_records(path, step, bits, records)
+
+
+@pytest.mark.parametrize("forgery", ["direction entry", "scalar entry"])
+def test_a_forged_entry_inside_a_region_is_checked_as_without_capture(tmp_path, monkeypatch, forgery):
+    """A dishonest log with an entry for an op inside a captured region (a BatchNorm mean far from any
+    midpoint; a scalar entry for eps that rounds it the other way): the auditor with capture runs the region
+    step by step and names the same suspicious entries as the eager auditor."""
+    train(tmp_path, "run", "0", monkeypatch)
+
+    def direction(rec):
+        rec.outputs[0] = OutputEntries(rec.outputs[0].shape, np.array([0], np.int64), np.array([True]))
+
+    def scalar(rec):
+        rec.scalars = [(1, True)]  # add.Tensor(var, eps): eps is not near a float32 midpoint
+
+    edit, op = (direction, "aten.mean.dim") if forgery == "direction entry" else (scalar, "aten.add.Tensor")
+    for s in range(1, STEPS):
+        _forge(tmp_path, "run", s, op, edit)
+    eager, eager_stats = train(tmp_path, "x", "0", monkeypatch, replay_of="run")
+    audited, audit_stats = train(tmp_path, "x", "1", monkeypatch, replay_of="run")
+    assert regions() and all(r > 0 for r, _ in regions().values())  # the other calls replayed
+    assert [s.suspicious_count for s in audit_stats] == [s.suspicious_count for s in eager_stats]
+    assert sum(s.suspicious_count for s in audit_stats) >= STEPS - 1
+    assert [[(x.op, x.kind, x.position) for x in s.suspicious] for s in audit_stats] == \
+        [[(x.op, x.kind, x.position) for x in s.suspicious] for s in eager_stats]
+    assert audited == eager
+
+
+def test_a_log_that_ends_inside_a_region_is_a_replay_mismatch(tmp_path, monkeypatch):
+    from veritrain.engine import ReplayMismatchError
+
+    train(tmp_path, "run", "0", monkeypatch)
+    path = str(tmp_path / "run-1.vtlog")
+    _, bits, records = read_records(path)
+    cut = max(i for i, r in enumerate(records) if r.name == "aten.rsqrt.default")
+    write_records(path, 1, bits, records[:cut])
+    with pytest.raises(ReplayMismatchError, match="log ends before this op"):
+        train(tmp_path, "x", "1", monkeypatch, replay_of="run")
+
+
+def test_a_reader_gives_back_records_in_order(tmp_path):
+    path = str(tmp_path / "a.vtlog")
+    w = StepLogWriter(path, 0, 32)
+    for name in ("a", "b", "c"):
+        w.op(name, [], [OutputEntries((2,))], 2)
+    w.close()
+    r = StepLogReader(path)
+    got = [r.next_op(), r.next_op()]
+    r.unread(got)
+    assert [r.next_op().name for _ in range(3)] == ["a", "b", "c"]
+    assert r.next_op() is None
+    r.unread([])
+    assert r.next_op() is None

@@ -28,16 +28,16 @@ step by step under the engine, exactly as without capture (``fallback``):
 * anything the lowering does not cover (random ops, writes other than a copy into an argument, float64
   operands, other grids than float32, a tensor from outside the call): that signature stays eager.
 
-A region that keeps falling back (a language model's log-softmax over its vocabulary has candidates in
-most steps) is no longer tried. The same switch as the fused kernels turns capture on
-(``VERITRAIN_COMPILE``: 1 always, 0 never, by default for regions whose largest tensor has at least
-``VERITRAIN_COMPILE_MIN_NUMEL`` elements); tests/test_capture.py holds it to the eager engine.
+A signature whose recorded calls needed log entries, or whose replays keep falling back (a language model's
+log-softmax over its vocabulary has candidates in most steps), stays eager. ``enabled_for`` says where
+capture runs; tests/test_capture.py holds it to the eager engine.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 
 import numpy as np
@@ -111,6 +111,16 @@ def applies(mode) -> bool:
     return mode.grid.drop == 0 and mode.emulate is None and mode.probe is None and mode.trace is None
 
 
+def enabled_for(numel: int) -> bool:
+    """``VERITRAIN_COMPILE`` as for the fused kernels (1 always, 0 never); by default, regions whose largest
+    tensor has at least ``VERITRAIN_CAPTURE_MIN_NUMEL`` elements (65536, as the fused kernels: a compile
+    costs seconds, so short runs of small models stay eager; long ones gain most from a lower value)."""
+    mode = os.environ.get("VERITRAIN_COMPILE", "auto")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return numel >= int(os.environ.get("VERITRAIN_CAPTURE_MIN_NUMEL", 1 << 16))
+
+
 def run(mode, func, args, kwargs):
     """``func``'s decomposition under ``mode``: replayed from its capture where one applies; otherwise run
     step by step by the engine (and recorded, the first time its signature is seen)."""
@@ -118,7 +128,7 @@ def run(mode, func, args, kwargs):
 
     leaves, spec = _flatten_call(args, kwargs)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    if not FusedKernels.enabled_for(max((t.numel() for t in tensors), default=0)):
+    if not enabled_for(max((t.numel() for t in tensors), default=0)):
         return fallback(mode, func, args, kwargs)
     key = _signature(mode, func, leaves, spec, tensors)
     region = _CACHE.get(key, _EAGER) if key is not None else _EAGER

@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from veritrain import engine, fused, logformat, rounding, rules  # noqa: E402
+from veritrain import capture, engine, fused, logformat, rounding, rules  # noqa: E402
 from veritrain.engine import EngineConfig, logged_step  # noqa: E402
 from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
 from veritrain.rounding import Grid  # noqa: E402
@@ -37,7 +37,7 @@ from veritrain.task import build  # noqa: E402
 
 CATEGORIES = {
     "kernel": "op kernels (float64; float32 where exact; views)",
-    "fused": "fused kernels (float64 op or sum + scale + round + scan, compiled)",
+    "fused": "fused kernels (float64 op or sum + scale + round + scan, compiled; captured regions)",
     "round": "rounding to the grid",
     "scan": "near-midpoint scan (bulk test)",
     "scale": "error scales",
@@ -115,6 +115,7 @@ def _targets():
         (engine._EagerSlot, "candidate_indices", "scan"),
         (fused.Epilogues, "run", "scan"),
         (fused.FusedSums, "run", "fused"),
+        (capture.Region, "run", "fused"),
         (engine._Analysis, "scale", "scale"),
         (rules.LazyScale, "materialize", "scale"),
         (rules.LazyScale, "at", "scale"),

@@ -92,6 +92,11 @@ class Region:
             self._fn = torch.compile(env["program"], dynamic=False, fullgraph=True)
         return self._fn
 
+    def run(self, tensors):
+        """(the call's results, the new values of the arguments it writes, the trainer's candidate flag)."""
+        with torch.no_grad():
+            return self.program()(*tensors)
+
     @property
     def worn_out(self) -> bool:
         tries = self.replays + self.fallbacks
@@ -443,8 +448,7 @@ def _replay(mode, func, args, kwargs, region: Region, tensors):
                 region.fallbacks += 1
                 return fallback(mode, func, args, kwargs)
     try:
-        with torch.no_grad():
-            results, new_values, flag = region.program()(*tensors)
+        results, new_values, flag = region.run(tensors)
     except Exception as exc:  # compile or run failure: eager from now on, same results
         region.broken = True
         FusedKernels.warn_once(func, exc)

@@ -155,7 +155,10 @@ class FusedKernels:
                 scalars = [float(v) for v in vals]
         if formula is None and floats and name not in _CONSTANT_SCALARS:
             raise Unfusable("varying float scalars")
-        key = (func, tuple((nm, k, kind, v if kind != "T" else None) for nm, k, kind, v in layout if kind != "C"),
+        # a formula's scalars are the kernel's arguments, not part of its code: one kernel for every value (an
+        # optimizer's step size changes every step; keyed by value, each step compiled a kernel of its own)
+        key = (func, tuple((nm, k, kind, None if kind == "T" or (kind == "F" and formula) else v)
+                           for nm, k, kind, v in layout if kind != "C"),
                tuple(repr(c) for c in consts), scale_fn, formula is not None)
         return Plan(key, shape, tensors, scalars, consts, layout, formula, kw)
 

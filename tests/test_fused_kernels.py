@@ -1,0 +1,56 @@
+"""Fused elementwise kernels (fused.FusedKernels) with float scalars that change from call to call, as an
+optimizer's step size does every step: one compiled kernel serves every value (the scalars are its arguments),
+and its results and log are the eager engine's for each value."""
+
+import torch
+
+from veritrain import fused
+from veritrain.engine import EngineConfig, step_context
+from veritrain.logformat import StepLogReader, StepLogWriter
+
+WIDE = EngineConfig(thresholds={"elementwise": 2.0**25})  # many log entries: the comparison covers them
+VALUES = [-1e-3, -5.257894750684500e-3, -3.6826569121330976e-3, 0.0547448731958866]
+
+
+def _ops(x, t1, t2, v):
+    # AdamW's update (addcdiv with the step size) and its denominator (a division by a bias correction)
+    return [x.addcdiv(t1, t2, value=v), t1 / abs(v), x.add(t1, alpha=v)]
+
+
+def _run(path, compiled, monkeypatch, reader=False):
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1" if compiled else "0")
+    g = torch.Generator().manual_seed(0)
+    x, t1 = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    t2 = torch.rand(64, 64, generator=g) + 0.5
+    outs = []
+    for step, v in enumerate(VALUES):
+        log = str(path / f"{step}.vtlog")
+        if reader:
+            with StepLogReader(log, expect_step=step, expect_bits=32) as r, step_context(WIDE, step, reader=r) as mode:
+                outs += _ops(x, t1, t2, v)
+            assert mode.stats.suspicious_count == 0
+        else:
+            w = StepLogWriter(log, step, 32)
+            with step_context(WIDE, step, writer=w) as mode:
+                outs += _ops(x, t1, t2, v)
+            w.close()
+            assert sum(mode.stats.entries_dir.values()) > 0  # the log bytes compared below hold decisions
+    return outs
+
+
+def test_a_changing_scalar_reuses_one_compiled_kernel(tmp_path, monkeypatch):
+    builds = []
+    real_build = fused.FusedKernels._build
+    monkeypatch.setattr(fused.FusedKernels, "_build",
+                        lambda self, func, plan, *a: builds.append((func, a[-1])) or real_build(self, func, plan, *a))
+    (tmp_path / "c").mkdir(), (tmp_path / "e").mkdir()
+    compiled = _run(tmp_path / "c", True, monkeypatch)
+    eager = _run(tmp_path / "e", False, monkeypatch)
+    assert builds, "the fused kernels did not run"
+    assert len(builds) == len(set(builds)), f"a kernel was built more than once per op: {builds}"
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    for step in range(len(VALUES)):
+        assert (tmp_path / "c" / f"{step}.vtlog").read_bytes() == (tmp_path / "e" / f"{step}.vtlog").read_bytes()
+    replayed = _run(tmp_path / "c", True, monkeypatch, reader=True)  # the auditor's kernels, same values
+    assert all(torch.equal(a, b) for a, b in zip(replayed, compiled))
+    assert len(builds) == len(set(builds))

@@ -4,7 +4,7 @@ and its results and log are the eager engine's for each value."""
 
 import torch
 
-from veritrain import fused
+from veritrain import engine, fused
 from veritrain.engine import EngineConfig, step_context
 from veritrain.logformat import StepLogReader, StepLogWriter
 
@@ -54,3 +54,28 @@ def test_a_changing_scalar_reuses_one_compiled_kernel(tmp_path, monkeypatch):
     replayed = _run(tmp_path / "c", True, monkeypatch, reader=True)  # the auditor's kernels, same values
     assert all(torch.equal(a, b) for a, b in zip(replayed, compiled))
     assert len(builds) == len(set(builds))
+
+
+def test_an_op_compiles_at_most_its_quota_of_kernels_then_runs_eagerly(tmp_path, monkeypatch):
+    """pow's exponent is baked into its kernel: an exponent that changes every call would compile every call.
+    Past MAX_KERNELS_PER_OP kernels the op runs on the eager engine, with the same results and log."""
+    monkeypatch.setattr(fused.FusedKernels, "MAX_KERNELS_PER_OP", 2)
+    monkeypatch.setattr(engine, "_FUSED_CACHE", {})  # kernels of earlier tests in this process count too
+    builds = []
+    real_build = fused.FusedKernels._build
+    monkeypatch.setattr(fused.FusedKernels, "_build",
+                        lambda self, func, plan, *a: builds.append(func) or real_build(self, func, plan, *a))
+    x = torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) + 0.5
+    exponents = [1.5, 2.5, 3.5, 0.75, 1.25]
+    logs = {}
+    for compiled in (True, False):
+        monkeypatch.setenv("VERITRAIN_COMPILE", "1" if compiled else "0")
+        log = str(tmp_path / f"{compiled}.vtlog")
+        w = StepLogWriter(log, 0, 32)
+        with step_context(WIDE, 0, writer=w):
+            logs[compiled] = [x.pow(e) for e in exponents]
+        w.close()
+    pows = [f for f in builds if f is torch.ops.aten.pow.Tensor_Scalar]
+    assert len(pows) <= 2, pows
+    assert all(torch.equal(a, b) for a, b in zip(logs[True], logs[False]))
+    assert (tmp_path / "True.vtlog").read_bytes() == (tmp_path / "False.vtlog").read_bytes()

@@ -783,7 +783,10 @@ class VerifiedMode(TorchDispatchMode):
         device = operands[0].device
         extra = [torch.tensor(v, dtype=torch.float64, device=device) for v in plan.scalars] if plan.formula else []
         try:
-            kernel, compute = fk.kernel(plan, run, rule.fused, c, want)
+            built = fk.kernel(plan, run, rule.fused, c, want)
+            if built is None:  # this op has compiled its quota of kernels
+                return _NOT_FUSED
+            kernel, compute = built
             out = kernel(*operands, *extra)
         except Exception as exc:  # compile or run failure: remember it, use the eager engine
             fk._failed.add(plan.key)

@@ -99,6 +99,7 @@ class FusedKernels:
     def __init__(self, grid: Grid):
         self.grid = grid
         self._cache: dict = {}
+        self._per_op: dict = {}  # op -> kernels compiled for it
         self._ids = itertools.count()
 
     @staticmethod
@@ -162,10 +163,18 @@ class FusedKernels:
                tuple(repr(c) for c in consts), scale_fn, formula is not None)
         return Plan(key, shape, tensors, scalars, consts, layout, formula, kw)
 
+    # kernels one op may compile (its constant scalars and argument structures); past that it runs eagerly: a
+    # scalar baked into the kernel (pow's exponent, say) that changes every call would compile every call
+    MAX_KERNELS_PER_OP = 8
+
     def kernel(self, plan, func, scale_fn, c, want_cand):
+        """(compiled kernel, eager compute) for ``plan``, or None where ``func`` has compiled its quota."""
         full_key = (plan.key, c, want_cand)
         k = self._cache.get(full_key)
         if k is None:
+            if self._per_op.get(func, 0) >= self.MAX_KERNELS_PER_OP:
+                return None
+            self._per_op[func] = self._per_op.get(func, 0) + 1
             k = self._cache[full_key] = self._build(func, plan, scale_fn, c, want_cand)
         return k
 

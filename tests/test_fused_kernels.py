@@ -79,3 +79,22 @@ def test_an_op_compiles_at_most_its_quota_of_kernels_then_runs_eagerly(tmp_path,
     assert len(pows) <= 2, pows
     assert all(torch.equal(a, b) for a, b in zip(logs[True], logs[False]))
     assert (tmp_path / "True.vtlog").read_bytes() == (tmp_path / "False.vtlog").read_bytes()
+
+
+def test_a_kernel_compiles_once_whatever_the_callers_grad_mode(monkeypatch):
+    """The engine calls its kernels below autograd, with the caller's grad mode: on in a forward, off in an
+    optimizer step. torch.compile guards on it, so a kernel called in both compiled twice (fused.compile_kernel
+    calls every kernel with autograd off)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+    monkeypatch.setattr(engine, "_FUSED_CACHE", {})  # a kernel of its own, compiled in this test
+    x = torch.rand(64, 64, generator=torch.Generator().manual_seed(2)) + 0.5
+    before = counters["stats"]["unique_graphs"]
+    with step_context(WIDE, 0):
+        with torch.enable_grad():
+            on = x.exp()
+        with torch.no_grad():
+            off = x.exp()
+    assert torch.equal(on, off)
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -45,6 +45,14 @@ def isolate_compile_cache() -> str:
 
 isolate_compile_cache()
 
+
+def compile_kernel(fn, fullgraph: bool = True):
+    """``fn`` compiled for every size (torch.compile, dynamic shapes), always called with autograd off. The
+    engine calls its kernels from inside the dispatch mode, below autograd, where the grad mode is whatever
+    the caller's is (on in a forward, off in an optimizer step); torch.compile guards on it, so each kernel
+    compiled twice in a step. Its values do not depend on it."""
+    return torch.no_grad()(torch.compile(fn, dynamic=True, fullgraph=fullgraph))
+
 # Ops whose float scalar arguments change from call to call (learning rates, weights) get a formula that
 # takes the scalars as 0-d float64 tensors; scalars are float32 values already (the engine rounds them).
 _FORMULAS = {
@@ -206,7 +214,7 @@ class FusedKernels:
         env = {"torch": torch, "FUNC": func, "ROUND": _round_to_grid, "CAND": _candidate_mask, "SCALE": scale_fn,
                "KW": plan.kw, **{f"C{i}": v for i, v in enumerate(consts)}}
         exec(compile("\n".join(lines), f"<veritrain fused kernel {next(self._ids)}: {func}>", "exec"), env)
-        return torch.compile(env["kernel"], dynamic=True, fullgraph=True), env["compute"]
+        return compile_kernel(env["kernel"]), env["compute"]
 
     @staticmethod
     def warn_once(func, exc):
@@ -272,7 +280,7 @@ class Epilogues:
         ])
         env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
         exec(compile(src, f"<veritrain epilogue {next(self._ids)}>", "exec"), env)
-        return torch.compile(env["epilogue"], dynamic=True, fullgraph=True)
+        return compile_kernel(env["epilogue"])
 
 
 def abs_sum_and_min(x: torch.Tensor, dims: list, keepdim: bool):
@@ -332,7 +340,7 @@ def _run_pattern(table: dict, key: tuple, name: str, body: str, view: torch.Tens
             env = {"_abs_sum_and_min": _abs_sum_and_min}
             src = f"def kernel(x):\n    return {body.format(reduced=reduced)}\n"
             exec(compile(src, f"<veritrain {name} {ndim}-d over {reduced}>", "exec"), env)
-            fn = torch.compile(env["kernel"], dynamic=True, fullgraph=True)
+            fn = compile_kernel(env["kernel"])
         table[key] = fn
     if fn is False:
         return None
@@ -470,7 +478,7 @@ class FusedSums:
         env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
         exec(compile("\n".join(lines), f"<veritrain fused sum {next(self._ids)}: {ndim}-d over {reduced}>", "exec"),
              env)
-        return torch.compile(env["kernel"], dynamic=True, fullgraph=True)
+        return compile_kernel(env["kernel"])
 
 
 def rows_of(x: torch.Tensor, dims: list) -> torch.Tensor:

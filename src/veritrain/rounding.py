@@ -240,11 +240,11 @@ def _get_compiled():
     """A fused kernel of the same computation (torch.compile), or None if it cannot be built here."""
     global _compiled
     if _compiled is None:
-        from .fused import isolate_compile_cache
+        from .fused import compile_kernel, isolate_compile_cache
 
         isolate_compile_cache()
         try:
-            fn = torch.compile(candidate_mask, dynamic=True)
+            fn = compile_kernel(candidate_mask, fullgraph=False)
             probe = torch.tensor([1.0, 0.0, 1.5], dtype=torch.float64)
             fn(probe, probe, 2.0, (1 << 29) - 1, 1 << 28, 1 << 26)
             _compiled = fn

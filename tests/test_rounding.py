@@ -205,6 +205,9 @@ def test_the_numpy_scan_of_small_results_is_the_torch_scan(b):
         got = rounding._candidate_mask_numpy(*args)
         assert got.dtype == want.dtype and torch.equal(got, want)
         assert torch.equal(rounding._candidates_eager(*args), want)
+        compiled = rounding._get_compiled()  # the fused kernels' form of candidate_mask, compiled
+        if compiled is not None:
+            assert torch.equal(compiled(*args), want)
         positions = want.reshape(-1).nonzero().squeeze(1)
         assert torch.equal(grid.candidate_positions(y, scale, c), positions)  # NumPy finds them too
         big = (y.repeat(60), scale.repeat(60))  # over 2**18 values: torch scans and finds them
@@ -216,3 +219,28 @@ def test_the_numpy_scan_of_small_results_is_the_torch_scan(b):
         y0 = y[:math.prod(shape)].reshape(shape)
         args = (y0, scale[:y0.numel()].reshape(shape), 8.0, grid.low_mask, grid.half, grid.value_units)
         assert torch.equal(rounding._candidates_eager(*args), rounding.candidate_mask(*args))
+
+
+@pytest.mark.parametrize("b", [32, 27, 23])
+def test_the_scans_midpoint_distance_is_exact_at_the_threshold(b):
+    """candidate_mask computes the distance to the midpoint in float64 (no int64 conversion: AVX2 has none);
+    with each scale set at that distance's threshold, one unit either way, the mask must still be the
+    int64 reference's (``_mask_numpy``), eager and compiled: a distance off by one unit flips these."""
+    from veritrain import rounding
+
+    grid = Grid(b)
+    gen = torch.Generator().manual_seed(100 + b)
+    y = torch.randn(20000, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(-30, 30, (20000,), generator=gen)
+    dev = ((y.view(torch.int64) & grid.low_mask) - grid.half).abs().clamp(max=grid.value_units)
+    c = 8.0
+    compiled = rounding._get_compiled()
+    masks = []
+    for delta in (-1, 0, 1):
+        scale = (dev + delta).double() * y.abs() / c
+        args = (y, scale, c, grid.low_mask, grid.half, grid.value_units)
+        want = rounding._candidate_mask_numpy(*args)
+        assert torch.equal(rounding.candidate_mask(*args), want)
+        if compiled is not None:
+            assert torch.equal(compiled(*args), want)
+        masks.append(want)
+    assert not torch.equal(masks[0], masks[2])  # the threshold is exercised

@@ -27,7 +27,9 @@ import os
 import numpy as np
 import torch
 
-UNIT_ROUNDOFF = 2.0**-53  # u for float64: |fl(x) - x| <= u |x|
+UNIT_ROUNDOFF = 2.0**-53
+_TWO_52 = 2.0**52
+_TWO_52_BITS = 0x4330000000000000  # the bit pattern of 2.0**52  # u for float64: |fl(x) - x| <= u |x|
 FLOAT32_MIN_NORMAL = 2.0**-126
 _INT64 = torch.int64
 
@@ -154,8 +156,15 @@ def candidate_mask(y, scale, c: float, low_mask: int, half: int, value_units: in
     The mask is the sign bit of ``dev * |y| - c * scale`` (and of ``0 - c * scale`` below float32's
     normal range): written without booleans, because compiled CPU kernels that combine or store
     float64 comparison masks run several times slower.
+
+    ``dev`` = min(|low bits - half|, value_units) is computed in float64, exactly: the low bits (below
+    2**38) become a float64 by placing them in the significand of 2**52 and subtracting 2**52, and every
+    later value is an integer below 2**52. AVX2 has no int64 abs, min or conversion to float64, so the
+    same steps on int64 compiled to scalar code: the trainer's fused kernels ran 2-3x slower than the
+    auditor's (docs/SPEED.md). ``_mask_numpy`` keeps the int64 steps; tests compare the two.
     """
-    dev = ((y.view(_INT64) & low_mask) - half).abs().clamp(max=value_units).to(torch.float64)
+    low = ((y.view(_INT64) & low_mask) | _TWO_52_BITS).view(torch.float64) - _TWO_52
+    dev = (low - float(half)).abs().clamp(max=float(value_units))
     ay = y.abs()
     bound = scale * c
     d = torch.where(ay < FLOAT32_MIN_NORMAL, 0.0 - bound, dev * ay - bound)

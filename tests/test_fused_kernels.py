@@ -2,6 +2,7 @@
 optimizer's step size does every step: one compiled kernel serves every value (the scalars are its arguments),
 and its results and log are the eager engine's for each value."""
 
+import pytest
 import torch
 
 from veritrain import engine, fused
@@ -38,11 +39,17 @@ def _run(path, compiled, monkeypatch, reader=False):
     return outs
 
 
-def test_a_changing_scalar_reuses_one_compiled_kernel(tmp_path, monkeypatch):
-    builds = []
+@pytest.fixture
+def builds(monkeypatch):
+    """(op, whether it scans) of every fused kernel built while the test runs."""
+    built = []
     real_build = fused.FusedKernels._build
     monkeypatch.setattr(fused.FusedKernels, "_build",
-                        lambda self, func, plan, *a: builds.append((func, a[-1])) or real_build(self, func, plan, *a))
+                        lambda self, func, plan, *a: built.append((func, a[-1])) or real_build(self, func, plan, *a))
+    return built
+
+
+def test_a_changing_scalar_reuses_one_compiled_kernel(tmp_path, monkeypatch, builds):
     (tmp_path / "c").mkdir(), (tmp_path / "e").mkdir()
     compiled = _run(tmp_path / "c", True, monkeypatch)
     eager = _run(tmp_path / "e", False, monkeypatch)
@@ -56,15 +63,11 @@ def test_a_changing_scalar_reuses_one_compiled_kernel(tmp_path, monkeypatch):
     assert len(builds) == len(set(builds))
 
 
-def test_an_op_compiles_at_most_its_quota_of_kernels_then_runs_eagerly(tmp_path, monkeypatch):
+def test_an_op_compiles_at_most_its_quota_of_kernels_then_runs_eagerly(tmp_path, monkeypatch, builds):
     """pow's exponent is baked into its kernel: an exponent that changes every call would compile every call.
     Past MAX_KERNELS_PER_OP kernels the op runs on the eager engine, with the same results and log."""
     monkeypatch.setattr(fused.FusedKernels, "MAX_KERNELS_PER_OP", 2)
     monkeypatch.setattr(engine, "_FUSED_CACHE", {})  # kernels of earlier tests in this process count too
-    builds = []
-    real_build = fused.FusedKernels._build
-    monkeypatch.setattr(fused.FusedKernels, "_build",
-                        lambda self, func, plan, *a: builds.append(func) or real_build(self, func, plan, *a))
     x = torch.rand(64, 64, generator=torch.Generator().manual_seed(1)) + 0.5
     exponents = [1.5, 2.5, 3.5, 0.75, 1.25]
     logs = {}
@@ -75,7 +78,7 @@ def test_an_op_compiles_at_most_its_quota_of_kernels_then_runs_eagerly(tmp_path,
         with step_context(WIDE, 0, writer=w):
             logs[compiled] = [x.pow(e) for e in exponents]
         w.close()
-    pows = [f for f in builds if f is torch.ops.aten.pow.Tensor_Scalar]
+    pows = [f for f, _ in builds if f is torch.ops.aten.pow.Tensor_Scalar]
     assert len(pows) <= 2, pows
     assert all(torch.equal(a, b) for a, b in zip(logs[True], logs[False]))
     assert (tmp_path / "True.vtlog").read_bytes() == (tmp_path / "False.vtlog").read_bytes()

@@ -27,9 +27,9 @@ import os
 import numpy as np
 import torch
 
-UNIT_ROUNDOFF = 2.0**-53
+UNIT_ROUNDOFF = 2.0**-53  # u for float64: |fl(x) - x| <= u |x|
 _TWO_52 = 2.0**52
-_TWO_52_BITS = 0x4330000000000000  # the bit pattern of 2.0**52  # u for float64: |fl(x) - x| <= u |x|
+_TWO_52_BITS = 0x4330000000000000  # the bit pattern of 2.0**52
 FLOAT32_MIN_NORMAL = 2.0**-126
 _INT64 = torch.int64
 

@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from veritrain import capture, engine, fused, logformat, rounding, rules  # noqa: E402
+from veritrain import blocked, capture, engine, fused, logformat, rounding, rules  # noqa: E402
 from veritrain.engine import EngineConfig, logged_step  # noqa: E402
 from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
 from veritrain.rounding import Grid  # noqa: E402
@@ -110,6 +110,7 @@ def _targets():
     """(owner, attribute, category) of every wrapped function."""
     return [
         (torch._ops.OpOverload, "__call__", "kernel"),
+        (blocked, "mm", "kernel"),  # float64 matrix products block by block, their copies and norms
         (rounding.Grid, "round", "round"),
         (rounding.Grid, "candidates", "scan"),
         (engine._EagerSlot, "candidate_indices", "scan"),

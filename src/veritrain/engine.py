@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import accelerator, capture, decompositions, randomness, rules
+from . import accelerator, blocked, capture, decompositions, randomness, rules
 from .fused import Epilogues, FusedKernels, FusedSums, Unfusable, rows_of
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
 from .rounding import UNIT_ROUNDOFF, Grid, mask_positions
@@ -675,6 +675,10 @@ class VerifiedMode(TorchDispatchMode):
             done = self._try_fused_sum(func, rule, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
+        if func is aten.mm.default and self.probe is None and self.emulate is None:
+            done = self._try_blocked_mm(func, rule, leaves, record, scalars)
+            if done is not _NOT_FUSED:
+                return done
 
         # upcast to float64
         up = list(leaves)
@@ -821,6 +825,19 @@ class VerifiedMode(TorchDispatchMode):
         y32, cand = out
         slot = _SumSlot(y32, cand, func, x, dims, out_shape, rule.op_class)
         return self._finish_op(func, record, scalars, [slot])[0].view(out_shape)
+
+    def _try_blocked_mm(self, func, rule, leaves, record, scalars):
+        """A matrix product with a large float32 operand, block by block without its float64 copy (blocked.py)."""
+        a, b = leaves
+        how = blocked.split(a, b)
+        if how is None:
+            return _NOT_FUSED
+        y, rows, cols = blocked.mm(a, b, how)
+        # rules._mm's scale, sqrt(k) ||row_i(a)|| ||col_j(b)||, from the norms the blocks computed
+        analysis = _Analysis(rules.Call(func, (a, b), {}, [y]), rule)
+        analysis.scales = [rules.LazyScale([(rules._sqrt(a.shape[1]), [rows, cols])])]
+        slot = _EagerSlot(y, analysis, 0, self.grid, self._epilogues())
+        return self._finish_op(func, record, scalars, [slot])[0]
 
     def _epilogues(self):
         if self._ep is None:

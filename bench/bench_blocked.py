@@ -1,0 +1,123 @@
+"""A matrix product with a large float32 operand under the engine: block by block (blocked.py) against the
+eager path (the whole operand copied to float64 first), on GPT-2 2x128's vocabulary-wide products, in one
+process with the two alternating, trainer and auditor.
+
+    python bench/bench_blocked.py                 # batch 8 x 64 tokens, vocabulary 50257, width 128
+    python bench/bench_blocked.py --reps 3 --no-write
+
+Each product runs as the engine runs it inside a step (trainer: writes its log record; auditor: replays that
+record); the plain float64 product (operands already float64, as in a plain float64 step) is timed beside it.
+Writes the "Matrix products block by block" section of bench/RESULTS.md unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from veritrain.engine import EngineConfig, step_context  # noqa: E402
+from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
+
+OFF = str(1 << 60)  # VERITRAIN_BLOCK_MIN_NUMEL that no operand reaches: the eager path
+
+
+def products(tokens: int, vocab: int, width: int) -> dict:
+    """name -> (a, b, what it is): the logits' gradient G (tokens x vocab) times the tied embedding W (vocab x
+    width), and G^T times the last hidden states (a transposed view, as autograd passes it)."""
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(tokens, vocab, generator=g) * 1e-4
+    weight = torch.randn(vocab, width, generator=g) * 0.02
+    hidden = torch.randn(tokens, width, generator=g)
+    return {
+        "input gradient G @ W": (grad, weight, f"({tokens} x {vocab}) @ ({vocab} x {width}), split along K"),
+        "weight gradient G^T @ h": (grad.t(), hidden, f"({vocab} x {tokens}) @ ({tokens} x {width}), split along M"),
+    }
+
+
+def _engine_mm(a, b, path, role):
+    t0 = time.perf_counter()
+    if role == "trainer":
+        w = StepLogWriter(path, 0, 32)
+        with step_context(EngineConfig(), 0, writer=w):
+            torch.mm(a, b)
+        w.close()
+    else:
+        with StepLogReader(path, expect_step=0, expect_bits=32) as r:
+            with step_context(EngineConfig(), 0, reader=r) as mode:
+                torch.mm(a, b)
+        assert mode.stats.suspicious_count == 0
+    return time.perf_counter() - t0
+
+
+def measure(a, b, reps: int) -> dict:
+    times = {k: [] for k in ("fp64", "trainer eager", "trainer blocked", "auditor eager", "auditor blocked")}
+    a64, b64 = a.double(), b.double()
+    with tempfile.TemporaryDirectory() as d:
+        for rep in range(reps + 1):  # the first round warms up (compiled epilogues)
+            order = ("eager", "blocked") if rep % 2 else ("blocked", "eager")
+            for how in order:
+                os.environ["VERITRAIN_BLOCK_MIN_NUMEL"] = OFF if how == "eager" else "0"
+                path = os.path.join(d, f"{how}.vtlog")
+                t_train = _engine_mm(a, b, path, "trainer")
+                t_audit = _engine_mm(a, b, path, "auditor")
+                if rep:
+                    times[f"trainer {how}"].append(t_train)
+                    times[f"auditor {how}"].append(t_audit)
+            t0 = time.perf_counter()
+            torch.mm(a64, b64)
+            if rep:
+                times["fp64"].append(time.perf_counter() - t0)
+    os.environ.pop("VERITRAIN_BLOCK_MIN_NUMEL", None)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def markdown(results: dict, command: str, machine: str) -> str:
+    lines = ["## Matrix products block by block (issue 12)", "", f"Command: `{command}`", "", f"Machine: {machine}", "",
+             "Written by `bench/bench_blocked.py`: the engine's matrix product on GPT-2 2x128's two products that read "
+             "the logits' gradient, eager (the float32 operand copied to float64 whole) and block by block "
+             "(`blocked.py`), alternating in one process; medians in ms; `fp64` is the plain float64 product on "
+             "operands already in float64.", "",
+             "| product | shapes | fp64 | trainer eager | trainer blocked | auditor eager | auditor blocked |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, (shapes, t) in results.items():
+        cells = " | ".join(f"{1e3 * t[k]:.0f}" for k in ("fp64", "trainer eager", "trainer blocked", "auditor eager",
+                                                          "auditor blocked"))
+        lines.append(f"| {name} | {shapes} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    from bench_engine import machine
+    from profile_engine import write_section
+
+    results = {}
+    for name, (a, b, shapes) in products(args.tokens, args.vocab, args.width).items():
+        t = measure(a, b, args.reps)
+        results[name] = (shapes, t)
+        print(f"{name}: " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in t.items()), flush=True)
+    command = "python bench/bench_blocked.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    section = markdown(results, command.strip(), machine())
+    print(section)
+    if not args.no_write:
+        write_section(os.path.join(HERE, "RESULTS.md"), section)
+
+
+if __name__ == "__main__":
+    main()

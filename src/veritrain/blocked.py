@@ -1,0 +1,101 @@
+"""Matrix products with a large float32 operand, computed block by block in float64.
+
+Why: the engine evaluates a matrix product in float64, so the eager path first copies both float32 operands
+to float64. For a language model's vocabulary-wide products that copy is most of the overhead: the logits'
+gradient (batch x 50257) is read by two products in the backward pass, and each made a float64 copy twice
+its size (on this project's 2-core CPU the copy took about as long as a third of the product itself). Here
+the large operand is copied one block at a time into a buffer that stays in cache, and the product, the
+operand's norms for the error scale (rules._mm: sqrt(k) ||row_i(a)|| ||col_j(b)||) and the next block
+follow while it is there.
+
+Two ways to split, chosen by the large operand's long dimension:
+
+* ``k``: along the inner dimension (``a`` is M x K with K >= M, or ``b`` is K x N with K >= N; the gradient
+  with respect to a layer's input): y = sum over blocks of a[:, block] @ b[block], accumulated in float64,
+  and the squared norms accumulated the same way.
+* ``m``: along the rows of a large ``a`` with M > K (the gradient with respect to a weight, a^T of the
+  logits' gradient): each block of rows of y is a[rows] @ b, written in place.
+
+A large ``b`` with N > K (the logits themselves) is left to the eager path: its copy is small against the
+product, and splitting its columns was no faster in a one-off measurement.
+
+Like the compiled kernels (fused.py) this is another correct float64 evaluation of the op: the products of
+float32 values are exact in float64, and only the order of the float64 additions may differ from one GEMM
+call (the error model's tau bounds any order; docs/ROUNDING.md). The norms are error-model inputs, not
+results: their last bits may differ from the eager norm's, which the auditor's tolerance (engine.HONEST_TAU)
+absorbs. The engine treats the result like any float64 result: rounded, scanned, logged or replayed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+MIN_NUMEL = 1 << 22  # elements of the large float32 operand (16 MB) from which blocking pays (VERITRAIN_BLOCK_MIN_NUMEL)
+BLOCK_NUMEL = 1 << 18  # float64 elements of one operand block: 2 MB, in cache between its copy and its product
+
+
+def enabled_for(numel: int) -> bool:
+    """``VERITRAIN_COMPILE`` as for the fused kernels (1: every matrix product that can be split is, 0: none);
+    by default, products whose larger operand has at least ``VERITRAIN_BLOCK_MIN_NUMEL`` elements."""
+    mode = os.environ.get("VERITRAIN_COMPILE", "auto")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return numel >= int(os.environ.get("VERITRAIN_BLOCK_MIN_NUMEL", MIN_NUMEL))
+
+
+def split(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """How to split ``a @ b`` ("k", "m"), or None where the eager path is used: operands other than float32
+    matrices on the CPU (a GPU's copies run at its memory's speed), empty ones, or a large b with N > K."""
+    if a.dim() != 2 or b.dim() != 2 or a.dtype != torch.float32 or b.dtype != torch.float32 \
+            or a.device.type != "cpu" or b.device.type != "cpu" or a.shape[1] != b.shape[0] or not a.numel() \
+            or not b.numel():
+        return None
+    (m, k), n = a.shape, b.shape[1]
+    if not enabled_for(max(a.numel(), b.numel())):
+        return None
+    if a.numel() >= b.numel():
+        return "k" if k >= m else "m"
+    return "k" if k >= n else None
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, how: str, block: int | None = None):
+    """(y, ||rows of a|| as M x 1, ||columns of b|| as 1 x N), all float64, for float32 ``a`` (M x K) and ``b``
+    (K x N) split as ``how`` says (``split``); ``block`` float64 elements per operand block (BLOCK_NUMEL)."""
+    (m, k), n = a.shape, b.shape[1]
+    block = BLOCK_NUMEL if block is None else block
+    y = torch.empty((m, n), dtype=torch.float64, device=a.device)
+    if how == "k":
+        width = max(1, min(k, block // max(m, n)))
+        a_buf = torch.empty(m * width, dtype=torch.float64, device=a.device)
+        b_buf = torch.empty(width * n, dtype=torch.float64, device=a.device)
+        rows = torch.zeros(m, dtype=torch.float64, device=a.device)
+        cols = torch.zeros(n, dtype=torch.float64, device=a.device)
+        for k0 in range(0, k, width):
+            w = min(width, k - k0)
+            ab = a_buf[: m * w].view(m, w)
+            ab.copy_(a[:, k0:k0 + w])
+            bb = b_buf[: w * n].view(w, n)
+            bb.copy_(b[k0:k0 + w])
+            if k0 == 0:
+                torch.mm(ab, bb, out=y)
+            else:
+                y.addmm_(ab, bb)
+            rows += ab.square().sum(1)
+            cols += bb.square().sum(0)
+        return y, rows.sqrt_().view(m, 1), cols.sqrt_().view(1, n)
+    if how != "m":
+        raise ValueError(f"unknown split {how!r}")
+    b64 = b.to(torch.float64)
+    height = max(1, min(m, block // k))
+    a_buf = torch.empty(height * k, dtype=torch.float64, device=a.device)
+    rows = torch.empty(m, dtype=torch.float64, device=a.device)
+    for r0 in range(0, m, height):
+        h = min(height, m - r0)
+        ab = a_buf[: h * k].view(h, k)
+        ab.copy_(a[r0:r0 + h])
+        torch.mm(ab, b64, out=y[r0:r0 + h])
+        torch.linalg.vector_norm(ab, dim=1, out=rows[r0:r0 + h])
+    cols = torch.linalg.vector_norm(b64, dim=0)
+    return y, rows.view(m, 1), cols.view(1, n)

@@ -1,0 +1,141 @@
+"""Matrix products with a large float32 operand computed block by block (blocked.py, engine._try_blocked_mm):
+each split gives the float64 product and the operands' norms within float64's own error, the engine's results
+and log bytes are the eager path's, each side replays the other's log, and the auditor's check of an entry in
+a blocked product uses the rule's error scale (a forged decision beyond it is caught)."""
+
+import numpy as np
+import pytest
+import torch
+
+from veritrain import blocked, rules
+from veritrain.engine import EngineConfig, step_context
+from veritrain.logformat import StepLogReader, StepLogWriter, read_records
+from veritrain.rounding import UNIT_ROUNDOFF, Grid
+
+aten = torch.ops.aten
+C = 2.0**25  # about one result in eight is a log entry: the comparisons cover entries
+WIDE = EngineConfig(thresholds={"accumulate": C})
+
+
+def _operands(case, seed=0, mixed=True):
+    """(a, b) for the two splits: "k" a layer-input gradient's shape (K long), "m" a weight gradient's (a^T of
+    a wide gradient: a transposed view, as autograd passes it)."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(48 if case == "k" else 256, 3001, generator=g)
+    other = torch.randn((3001, 40) if case == "k" else (256, 24), generator=g)
+    if mixed:
+        wide = wide * torch.exp(2 * torch.randn(wide.shape, generator=g))  # mixed magnitudes: varied scales
+        wide.view(-1)[::97] = 0.0
+    else:  # positive: every result well away from 0, so tau is a steady share of its grid spacing
+        wide, other = wide.exp(), other.exp()
+    return (wide, other) if case == "k" else (wide.t(), other)
+
+
+def test_each_split_is_the_float64_product_and_its_norms(monkeypatch):
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+    for case in ("k", "m"):
+        a, b = _operands(case)
+        assert blocked.split(a, b) == case
+        a64, b64 = a.double(), b.double()
+        ref = a64 @ b64
+        for block in (1000, 1 << 14, 1 << 30):  # many blocks with a remainder, a few, one
+            y, rows, cols = blocked.mm(a, b, case, block)
+            assert y.dtype == torch.float64 and y.shape == ref.shape and y.is_contiguous()
+            assert torch.allclose(rows, torch.linalg.vector_norm(a64, dim=1, keepdim=True), rtol=1e-13, atol=0)
+            assert torch.allclose(cols, torch.linalg.vector_norm(b64, dim=0, keepdim=True), rtol=1e-13, atol=0)
+            # another summation order: within float64's error bound for a dot product of length k
+            bound = a.shape[1] * 2.0**-53 * (a64.abs() @ b64.abs())
+            assert bool(((y - ref).abs() <= bound).all())
+
+
+def test_the_split_follows_the_large_operands_long_dimension(monkeypatch):
+    monkeypatch.setenv("VERITRAIN_COMPILE", "auto")
+    monkeypatch.setenv("VERITRAIN_BLOCK_MIN_NUMEL", "1000")
+    wide = torch.zeros(16, 5000)
+    assert blocked.split(wide, torch.zeros(5000, 8)) == "k"  # a's long side is K: the layer input's gradient
+    assert blocked.split(wide.t(), torch.zeros(16, 8)) == "m"  # a's long side is M: the weight's gradient
+    assert blocked.split(torch.zeros(8, 16), wide) is None  # b's long side is N: the logits, left eager
+    assert blocked.split(torch.zeros(8, 5000), wide.t()) == "k"  # b large, its long side K
+    assert blocked.split(wide.double(), torch.zeros(5000, 8, dtype=torch.float64)) is None
+    assert blocked.split(torch.zeros(4, 5), torch.zeros(5, 3)) is None  # below the threshold
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")
+    assert blocked.split(wide, torch.zeros(5000, 8)) is None
+
+
+def _blocking(monkeypatch, on: bool):
+    monkeypatch.setenv("VERITRAIN_COMPILE", "auto")
+    monkeypatch.setenv("VERITRAIN_BLOCK_MIN_NUMEL", "0" if on else str(1 << 60))
+    monkeypatch.setattr(blocked, "BLOCK_NUMEL", 1000)  # many blocks
+
+
+def _train(path, a, b, config=WIDE):
+    w = StepLogWriter(str(path), 0, 32)
+    with step_context(config, 0, writer=w) as mode:
+        y = torch.mm(a, b)
+    w.close()
+    return y, mode
+
+
+def _audit(path, a, b, config=WIDE):
+    with StepLogReader(str(path), expect_step=0, expect_bits=32) as reader:
+        with step_context(config, 0, reader=reader) as mode:
+            y = torch.mm(a, b)
+    return y, mode
+
+
+@pytest.mark.parametrize("case", ["k", "m"])
+def test_a_blocked_product_gives_the_eager_results_and_log(tmp_path, monkeypatch, case):
+    a, b = _operands(case)
+    calls = []
+    real = blocked.mm
+    monkeypatch.setattr(blocked, "mm", lambda *args: calls.append(args[2]) or real(*args))
+    _blocking(monkeypatch, True)
+    y_b, mode_b = _train(tmp_path / "b.vtlog", a, b)
+    assert calls == [case], "the blocked path ran"
+    _blocking(monkeypatch, False)
+    y_e, mode_e = _train(tmp_path / "e.vtlog", a, b)
+    assert calls == [case]
+    assert mode_e.stats.entries_total > 0, "the comparison covers log entries"
+    assert torch.equal(y_b.view(torch.int32), y_e.view(torch.int32))
+    assert (tmp_path / "b.vtlog").read_bytes() == (tmp_path / "e.vtlog").read_bytes()
+    for blocked_auditor in (True, False):
+        _blocking(monkeypatch, blocked_auditor)
+        for log in ("b.vtlog", "e.vtlog"):
+            y_a, mode_a = _audit(tmp_path / log, a, b)
+            assert mode_a.stats.suspicious_count == 0
+            assert torch.equal(y_a.view(torch.int32), y_e.view(torch.int32))
+
+
+@pytest.mark.parametrize("case,c", [("k", 2.0**17), ("m", 2.0**19)])  # tau about 1/16 of half a spacing
+def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, monkeypatch, case, c):
+    """The attacker adds direction entries that round the wrong way where the result lies between 1.2 and 1.9
+    thresholds from a midpoint: inside the auditor's slack window (2 tau), so only the error scale the blocked
+    product's norms give tells that no honest machine rounds there that way."""
+    grid = Grid(32)
+    config = EngineConfig(thresholds={"accumulate": c})
+    a, b = _operands(case, seed=1, mixed=False)
+    _blocking(monkeypatch, True)
+    _train(tmp_path / "t.vtlog", a, b, config)
+
+    a64, b64 = a.double(), b.double()
+    y64 = a64 @ b64
+    scale = rules.materialize_scale(rules._mm(rules.Call(aten.mm.default, (a64, b64), {}, [y64]))[0], y64)
+    tau = (c * UNIT_ROUNDOFF * scale).reshape(-1)
+    dist = grid.midpoint_distance(y64).reshape(-1)
+    targets = ((dist > 1.2 * tau) & (dist < 1.9 * tau)).nonzero().flatten()
+    assert len(targets) >= 5
+    _, _, (record,) = read_records(str(tmp_path / "t.vtlog"))
+    out = record.outputs[0]
+    assert not set(targets.tolist()) & (set(out.dir_pos.tolist()) | set(out.val_pos.tolist()))
+    natural_away = grid.classify(y64.reshape(-1)[targets], tau[targets])[2]
+    pos = np.concatenate([out.dir_pos, targets.numpy()])
+    bits = np.concatenate([out.dir_bits, (~natural_away).numpy()])
+    order = np.argsort(pos)
+    out.dir_pos, out.dir_bits = pos[order].astype(np.int64), bits[order]
+    w = StepLogWriter(str(tmp_path / "forged.vtlog"), 0, 32)
+    w.op(record.name, record.scalars, record.outputs, int(np.prod(out.shape)))
+    w.close()
+
+    _, mode = _audit(tmp_path / "forged.vtlog", a, b, config)
+    assert mode.stats.suspicious_count == len(targets)  # every forged entry, and nothing else
+    assert {s.position for s in mode.stats.suspicious} <= set(targets.tolist())  # the first few, in detail

@@ -233,3 +233,52 @@ def test_a_masks_positions_are_its_nonzero_elements(n, density):
         mask[[n // 2, n - 1, n + 2, n + 7]] = -1  # a middle one, and each view's last (a length's tail)
     for view in (mask[:n], mask[3:n + 3], mask[8:n + 8].view(-1, 1)):
         assert torch.equal(mask_positions(view), view.reshape(-1).nonzero().squeeze(1))
+
+
+def _reference_embedding_scale(go, idx, num, pad, by_freq):
+    """The definition over the whole vocabulary: sqrt(count) * sum of |grad| per embedding row (the same op on
+    |grad|), certified exact where that sum is small against the row's smallest quantum; nonzero rows only."""
+    aten = torch.ops.aten
+    flat = idx.reshape(-1)
+    counts = torch.bincount(flat, minlength=num)
+    rows = counts.nonzero().squeeze(1)
+    absum = aten.embedding_dense_backward(go.abs(), idx, num, pad, by_freq)[rows]
+    scale = counts[rows].double().sqrt().unsqueeze(1) * absum
+    if by_freq:
+        return rows, scale
+    row_q = rules._min_quantum(go.abs().reshape(-1, go.shape[-1]), [1], False)
+    q = torch.full((num,), math.inf, dtype=torch.float64).scatter_reduce(0, flat, row_q, "amin")
+    return rows, torch.where(absum < rules._EXACT_LIMIT * q[rows].unsqueeze(1), 0.0, scale)
+
+
+@pytest.mark.parametrize("pad", [-1, 7, 4000])  # none, a row in the batch, a row not in it
+@pytest.mark.parametrize("by_freq", [False, True])
+def test_an_embedding_gradients_scale_over_the_batchs_rows_follows_the_definition(pad, by_freq):
+    g = torch.Generator().manual_seed(0)
+    num = 5000
+    idx = torch.randint(0, 60, (6, 40), generator=g) * 83 % num  # repeated tokens, rows far apart
+    idx[0, :5] = 7
+    go = torch.randn(6, 40, 16, generator=g) * torch.exp2(torch.randint(-60, 60, (6, 40, 16), generator=g).float())
+    go = go.double()  # float32 values of wide range: some sums exact (certified), some not
+    go[1] = torch.randint(-3, 4, (40, 16), generator=g).double()  # small integers: some rows certified exact
+    func = torch.ops.aten.embedding_dense_backward.default
+    y = func(go, idx, num, pad, by_freq)
+    (got,) = rules._embedding_dense_backward(rules.Call(func, (go, idx, num, pad, by_freq), {}, [y]))
+    rows, scale = _reference_embedding_scale(go, idx, num, pad, by_freq)
+    assert torch.equal(got.rows, rows)
+    assert torch.allclose(got.scale, scale, rtol=1e-15, atol=0)
+    if not by_freq:
+        assert bool((scale == 0).any()) and bool((scale > 0).any()), "the certificate is exercised"
+    if pad == 7:
+        assert float(got.scale[rows == 7].abs().max()) == 0.0  # the padding row gets no gradient
+
+
+def test_an_embedding_gradients_scale_costs_nothing_per_vocabulary_row():
+    """The scale reads only the batch's rows: a vocabulary of 10^12 rows (a full-size float64 sum of |grad|,
+    as the definition is written, would need 10^14 bytes) gives the small vocabulary's scale."""
+    func = torch.ops.aten.embedding_dense_backward.default
+    idx = torch.tensor([[3, 9, 3], [0, 9, 12]])
+    go = torch.randn(2, 3, 4, dtype=torch.float64)
+    small = rules._embedding_dense_backward(rules.Call(func, (go, idx, 16, -1, False), {}, [None]))[0]
+    huge = rules._embedding_dense_backward(rules.Call(func, (go, idx, 10**12, -1, False), {}, [None]))[0]
+    assert torch.equal(huge.rows, small.rows) and torch.equal(huge.scale, small.scale)

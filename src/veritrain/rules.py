@@ -509,21 +509,23 @@ def _adaptive_window(call):
 
 
 def _embedding_dense_backward(call):
-    go, idx, num = call.arg("grad_output"), call.arg("indices"), call.arg("num_weights")
-    flat_idx = idx.reshape(-1)
-    counts = torch.bincount(flat_idx, minlength=num)
-    rows = counts.nonzero().squeeze(1)  # the only rows that are not exactly zero
+    go, idx = call.arg("grad_output"), call.arg("indices")
+    # the only rows that are not exactly zero: the batch's tokens. The sums of |grad| are taken by the same op
+    # on those rows alone (indices renumbered in the same order), not over the whole vocabulary
+    rows, inverse, counts = torch.unique(idx.reshape(-1), sorted=True, return_inverse=True, return_counts=True)
+    hit = (rows == call.arg("padding_idx")).nonzero()  # the padding row's new number, if it is in the batch
+    pad = int(hit[0, 0]) if hit.numel() else -1
     by_freq = call.arg("scale_grad_by_freq")
     ago = go.abs()
-    absum = aten.embedding_dense_backward(ago, idx, num, call.arg("padding_idx"), by_freq)[rows]
-    scale = counts[rows].to(go.dtype).sqrt().unsqueeze(1) * absum
+    absum = aten.embedding_dense_backward(ago, inverse.view(idx.shape), len(rows), pad, by_freq)
+    scale = counts.to(go.dtype).sqrt().unsqueeze(1) * absum
     if by_freq:
         return [RowSubset(rows, scale)]
     # quantum per embedding row: the smallest quantum of any gradient row that lands in it
     grad_rows = ago.reshape(-1, ago.shape[-1])
     row_q = _min_quantum(grad_rows, [1], False)
-    q = torch.full((num,), math.inf, dtype=go.dtype, device=go.device).scatter_reduce(0, flat_idx, row_q, "amin")
-    return [RowSubset(rows, _certify(call, scale, absum, q[rows].unsqueeze(1)))]
+    q = torch.full((len(rows),), math.inf, dtype=go.dtype, device=go.device).scatter_reduce(0, inverse, row_q, "amin")
+    return [RowSubset(rows, _certify(call, scale, absum, q.unsqueeze(1)))]
 
 
 def _index_put(call):

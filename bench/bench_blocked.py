@@ -25,6 +25,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
+from veritrain import blocked  # noqa: E402
 from veritrain.engine import EngineConfig, step_context  # noqa: E402
 from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
 
@@ -86,7 +87,7 @@ def markdown(results: dict, command: str, machine: str) -> str:
              "Written by `bench/bench_blocked.py`: the engine's matrix product on GPT-2 2x128's two products that read "
              "the logits' gradient, eager (the float32 operand copied to float64 whole) and block by block "
              "(`blocked.py`), alternating in one process; medians in ms; `fp64` is the plain float64 product on "
-             "operands already in float64.", "",
+             f"operands already in float64. Blocks of {blocked.BLOCK_NUMEL} float64 elements.", "",
              "| product | shapes | fp64 | trainer eager | trainer blocked | auditor eager | auditor blocked |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, (shapes, t) in results.items():
@@ -102,11 +103,13 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--block", type=int, default=blocked.BLOCK_NUMEL, help="float64 elements per operand block")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     from bench_engine import machine
     from profile_engine import write_section
 
+    blocked.BLOCK_NUMEL = args.block
     results = {}
     for name, (a, b, shapes) in products(args.tokens, args.vocab, args.width).items():
         t = measure(a, b, args.reps)

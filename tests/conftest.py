@@ -67,3 +67,26 @@ def recommit(run_dir):
     m["root"] = store.tree_of(leaves).root().hex()
     store.save_manifest(str(run_dir), m)
     return m["root"]
+
+
+def forge_wrong_directions(log, forged, targets, y64, tau):
+    """A dishonest trainer's one-op log: ``log``'s record with direction entries added at flat positions
+    ``targets`` that round the float64 results ``y64`` the wrong way (against their natural rounding given
+    ``tau``), written to ``forged``. Returns the positions, checked to hold no honest entry already."""
+    import numpy as np
+
+    from veritrain.logformat import StepLogWriter, read_records
+    from veritrain.rounding import Grid
+
+    _, _, (record,) = read_records(str(log))
+    out = record.outputs[0]
+    assert not set(targets.tolist()) & (set(out.dir_pos.tolist()) | set(out.val_pos.tolist()))
+    natural_away = Grid(32).classify(y64.reshape(-1)[targets], tau.reshape(-1)[targets])[2]
+    pos = np.concatenate([out.dir_pos, targets.numpy()])
+    bits = np.concatenate([out.dir_bits, (~natural_away).numpy()])
+    order = np.argsort(pos)
+    out.dir_pos, out.dir_bits = pos[order].astype(np.int64), bits[order]
+    w = StepLogWriter(str(forged), 0, 32)
+    w.op(record.name, record.scalars, record.outputs, int(np.prod(out.shape)))
+    w.close()
+    return targets

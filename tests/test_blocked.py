@@ -3,13 +3,13 @@ each split gives the float64 product and the operands' norms within float64's ow
 and log bytes are the eager path's, each side replays the other's log, and the auditor's check of an entry in
 a blocked product uses the rule's error scale (a forged decision beyond it is caught)."""
 
-import numpy as np
 import pytest
 import torch
 
+from conftest import forge_wrong_directions
 from veritrain import blocked, rules
 from veritrain.engine import EngineConfig, step_context
-from veritrain.logformat import StepLogReader, StepLogWriter, read_records
+from veritrain.logformat import StepLogReader, StepLogWriter
 from veritrain.rounding import UNIT_ROUNDOFF, Grid
 
 aten = torch.ops.aten
@@ -124,17 +124,7 @@ def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, m
     dist = grid.midpoint_distance(y64).reshape(-1)
     targets = ((dist > 1.2 * tau) & (dist < 1.9 * tau)).nonzero().flatten()
     assert len(targets) >= 5
-    _, _, (record,) = read_records(str(tmp_path / "t.vtlog"))
-    out = record.outputs[0]
-    assert not set(targets.tolist()) & (set(out.dir_pos.tolist()) | set(out.val_pos.tolist()))
-    natural_away = grid.classify(y64.reshape(-1)[targets], tau[targets])[2]
-    pos = np.concatenate([out.dir_pos, targets.numpy()])
-    bits = np.concatenate([out.dir_bits, (~natural_away).numpy()])
-    order = np.argsort(pos)
-    out.dir_pos, out.dir_bits = pos[order].astype(np.int64), bits[order]
-    w = StepLogWriter(str(tmp_path / "forged.vtlog"), 0, 32)
-    w.op(record.name, record.scalars, record.outputs, int(np.prod(out.shape)))
-    w.close()
+    forge_wrong_directions(tmp_path / "t.vtlog", tmp_path / "forged.vtlog", targets, y64, tau)
 
     _, mode = _audit(tmp_path / "forged.vtlog", a, b, config)
     assert mode.stats.suspicious_count == len(targets)  # every forged entry, and nothing else

@@ -3,7 +3,7 @@
 Why: the engine evaluates a matrix product in float64, so the eager path first copies both float32 operands
 to float64. For a language model's vocabulary-wide products that copy is most of the overhead: the logits'
 gradient (batch x 50257) is read by two products in the backward pass, and each made a float64 copy twice
-its size (on this project's 2-core CPU the copy took about as long as a third of the product itself). Here
+its size (bench/bench_blocked.py times the product both ways). Here
 the large operand is copied one block at a time into a buffer that stays in cache, and the product, the
 operand's norms for the error scale (rules._mm: sqrt(k) ||row_i(a)|| ||col_j(b)||) and the next block
 follow while it is there.

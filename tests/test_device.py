@@ -312,6 +312,23 @@ def test_random_draws_land_on_the_requested_device():
 # --- (f) CUDA ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("setting", ["auto", "1"])
+def test_compiled_paths_run_on_the_cpu_only(monkeypatch, setting):
+    """On an H200 the compiled paths trained digits-cnn to another state than the CPU (same log, failed
+    audit) while the eager engine on CUDA gave the CPU's bits: on a GPU every op takes the eager engine,
+    even with VERITRAIN_COMPILE=1."""
+    from veritrain import blocked, capture
+    from veritrain.fused import FusedKernels
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", setting)
+    large = 1 << 24
+    for enabled_for in (FusedKernels.enabled_for, capture.enabled_for, blocked.enabled_for):
+        assert enabled_for(large, "cpu") and enabled_for(large, torch.device("cpu")), enabled_for.__module__
+        for device in ("cuda", "cuda:1", torch.device("cuda", 0), "meta"):
+            assert not enabled_for(large, device), (enabled_for.__module__, device)
+
+
+
 @needs_cuda
 def test_counter_based_draws_are_the_same_bits_on_cpu_and_cuda():
     for draws in (direct_draws, engine_draws):

@@ -28,21 +28,18 @@ absorbs. The engine treats the result like any float64 result: rounded, scanned,
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .fused import compiled_path
 
 MIN_NUMEL = 1 << 22  # elements of the large float32 operand (16 MB) from which blocking pays (VERITRAIN_BLOCK_MIN_NUMEL)
 BLOCK_NUMEL = 1 << 18  # float64 elements of one operand block: 2 MB, in cache between its copy and its product
 
 
-def enabled_for(numel: int) -> bool:
+def enabled_for(numel: int, device) -> bool:
     """``VERITRAIN_COMPILE`` as for the fused kernels (1: every matrix product that can be split is, 0: none);
-    by default, products whose larger operand has at least ``VERITRAIN_BLOCK_MIN_NUMEL`` elements."""
-    mode = os.environ.get("VERITRAIN_COMPILE", "auto")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return numel >= int(os.environ.get("VERITRAIN_BLOCK_MIN_NUMEL", MIN_NUMEL))
+    by default, products whose larger operand has at least ``VERITRAIN_BLOCK_MIN_NUMEL`` elements. CPU only."""
+    return compiled_path(numel, device, "VERITRAIN_BLOCK_MIN_NUMEL", MIN_NUMEL)
 
 
 def split(a: torch.Tensor, b: torch.Tensor) -> str | None:
@@ -53,7 +50,7 @@ def split(a: torch.Tensor, b: torch.Tensor) -> str | None:
             or not b.numel():
         return None
     (m, k), n = a.shape, b.shape[1]
-    if not enabled_for(max(a.numel(), b.numel())):
+    if not enabled_for(max(a.numel(), b.numel()), a.device):
         return None
     if a.numel() >= b.numel():
         return "k" if k >= m else "m"

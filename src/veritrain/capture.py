@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 
 import numpy as np
 import torch
 
 from . import decompositions, rules
-from .fused import FusedKernels, _round_to_grid
+from .fused import FusedKernels, _round_to_grid, compiled_path
 from .logformat import OutputEntries
 from .rounding import candidate_mask
 
@@ -116,14 +115,12 @@ def applies(mode) -> bool:
     return mode.grid.drop == 0 and mode.emulate is None and mode.probe is None and mode.trace is None
 
 
-def enabled_for(numel: int) -> bool:
+def enabled_for(numel: int, device) -> bool:
     """``VERITRAIN_COMPILE`` as for the fused kernels (1 always, 0 never); by default, regions whose largest
     tensor has at least ``VERITRAIN_CAPTURE_MIN_NUMEL`` elements (65536, as the fused kernels: a compile
-    costs seconds, so short runs of small models stay eager; long ones gain most from a lower value)."""
-    mode = os.environ.get("VERITRAIN_COMPILE", "auto")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return numel >= int(os.environ.get("VERITRAIN_CAPTURE_MIN_NUMEL", 1 << 16))
+    costs seconds, so short runs of small models stay eager; long ones gain most from a lower value). CPU only
+    (fused.compiled_path)."""
+    return compiled_path(numel, device, "VERITRAIN_CAPTURE_MIN_NUMEL", 1 << 16)
 
 
 def run(mode, func, args, kwargs):
@@ -133,7 +130,8 @@ def run(mode, func, args, kwargs):
 
     leaves, spec = _flatten_call(args, kwargs)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    if not enabled_for(max((t.numel() for t in tensors), default=0)):
+    devices = {t.device for t in tensors if t.device.type != "cpu"} or {torch.device("cpu")}
+    if len(devices) > 1 or not enabled_for(max((t.numel() for t in tensors), default=0), devices.pop()):
         return fallback(mode, func, args, kwargs)
     key = _signature(mode, func, leaves, spec, tensors)
     region = _CACHE.get(key, _EAGER) if key is not None else _EAGER

@@ -360,7 +360,7 @@ class _EagerSlot:
             sub = self.y64[s.rows].contiguous()
             local = self.grid.candidate_positions(sub, s.scale.expand(sub.shape).contiguous(), c)
             return s.rows[local // width] * width + local % width
-        if self._epilogues is not None and FusedKernels.enabled_for(self.y64.numel()):
+        if self._epilogues is not None and FusedKernels.enabled_for(self.y64.numel(), self.y64.device):
             out = self._epilogues.run(self.y64, s, c)
             if out is not None:
                 self._y32, mask = out
@@ -771,8 +771,9 @@ class VerifiedMode(TorchDispatchMode):
         named = _named(func, args2, kwargs2)
         if info.variant == "out":
             named = {k: v for k, v in named.items() if k not in info.targets}
-        numel = max((x.numel() for x in named.values() if isinstance(x, torch.Tensor)), default=0)
-        if not FusedKernels.enabled_for(numel):
+        tensors = [x for x in named.values() if isinstance(x, torch.Tensor)]
+        numel = max((x.numel() for x in tensors), default=0)
+        if not tensors or not FusedKernels.enabled_for(numel, max(tensors, key=torch.Tensor.numel).device):
             return _NOT_FUSED
         fk = self._fused_kernels()
         try:
@@ -810,7 +811,7 @@ class VerifiedMode(TorchDispatchMode):
         named = _named(func, args, kwargs)
         x = named["self"]
         if named.get("dtype") is not None or x.dtype != torch.float32 or not x.is_contiguous() or not x.dim() \
-                or not x.numel() or not FusedKernels.enabled_for(x.numel()):
+                or not x.numel() or not FusedKernels.enabled_for(x.numel(), x.device):
             return _NOT_FUSED
         dims = sorted(set(rules._dims(x, named["dim"])))
         keep = bool(named.get("keepdim"))

@@ -97,6 +97,23 @@ class Plan:
         return [t.reshape(-1) if t.dim() else t for t in self.tensors]
 
 
+def compiled_path(numel: int, device, min_numel_variable: str, default_min_numel: int) -> bool:
+    """Whether an op on ``device`` whose largest tensor has ``numel`` elements takes a compiled path (the
+    fused kernels, fused sums, captured regions, blocked products) rather than the eager engine.
+
+    Only on a CPU. On an H200 (bench/RESULTS.md, "GPU trainer, CPU auditor") the compiled paths did not
+    conform: digits-cnn trained with them on CUDA reached another state after its first step than the
+    CPU, with the same log, so its audit failed; the eager engine on CUDA gave the CPU's bits exactly.
+    Elsewhere ``VERITRAIN_COMPILE`` decides: 1 always, 0 never; by default ops with at least
+    ``min_numel_variable`` (an environment variable; ``default_min_numel`` if unset) elements."""
+    if torch.device(device).type != "cpu":
+        return False
+    mode = os.environ.get("VERITRAIN_COMPILE", "auto")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return numel >= int(os.environ.get(min_numel_variable, default_min_numel))
+
+
 class FusedKernels:
     """Builds, compiles and caches the kernels of one engine configuration."""
 
@@ -111,13 +128,8 @@ class FusedKernels:
         self._ids = itertools.count()
 
     @staticmethod
-    def enabled_for(numel: int) -> bool:
-        mode = os.environ.get("VERITRAIN_COMPILE", "auto")
-        if mode == "0":
-            return False
-        if mode == "1":
-            return True
-        return numel >= int(os.environ.get("VERITRAIN_COMPILE_MIN_NUMEL", 1 << 16))
+    def enabled_for(numel: int, device) -> bool:
+        return compiled_path(numel, device, "VERITRAIN_COMPILE_MIN_NUMEL", 1 << 16)
 
     def plan(self, name: str, func, named: dict, scale_fn):
         """The kernel's argument structure for a call of ``func`` with arguments ``named`` (by schema
@@ -296,7 +308,7 @@ def abs_sum_and_min(x: torch.Tensor, dims: list, keepdim: bool):
     reduced over 0 and 2 for a BatchNorm's sum over (N, H, W). Each such pattern gets a kernel of its own,
     compiled once for every size (no size is 1, so torch.compile does not specialise on sizes)."""
     dims = sorted(d % x.dim() for d in dims) if x.dim() else []
-    if dims and x.numel() and x.is_contiguous() and FusedKernels.enabled_for(x.numel()):
+    if dims and x.numel() and x.is_contiguous() and FusedKernels.enabled_for(x.numel(), x.device):
         sizes, reduced = merged_view(x.shape, dims)
         out = _run_pattern(REDUCTIONS, (len(sizes), reduced), "reduction", "_abs_sum_and_min(x, {reduced!r}, False)",
                            x.view(sizes))
@@ -381,7 +393,7 @@ def _compiled_squares(x: torch.Tensor, dims):
     """The compiled sum of squares, or None where the eager ops are as fast or no kernel is available: x
     small, not a permutation of a contiguous tensor (a transposed operand is one), or reduced over its
     innermost dimension only (ATen's sums and norms run at memory speed there)."""
-    if not x.dim() or not x.numel() or not FusedKernels.enabled_for(x.numel()):
+    if not x.dim() or not x.numel() or not FusedKernels.enabled_for(x.numel(), x.device):
         return None
     dims = sorted({d % x.dim() for d in dims})
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# GPU trainer against CPU auditor, and back: the checks that need a GPU, as one short script.
+#
+#   bash bench/gpu_check.sh OUT_DIR [SHARED_DIR] [GPU]
+#
+# SHARED_DIR holds data/shakespeare.txt and data/gpt2-tokenizer (default ../shared); GPU is the device
+# the "GPU" side uses (default cuda; cpu runs the whole script here, to try it before a GPU is lent).
+# Most important first, each part under its own time limit, the summary rewritten after each workload,
+# so a run cut short still returns what it measured. OUT_DIR gets at most 8 files (what the device tool
+# brings back): log.txt is written by the caller; env.txt, summary.md (the figures bench/RESULTS.md
+# quotes), audits.tar.gz (every train/audit JSON and error output), digits-gpu-run.tar.gz (the GPU-trained
+# digits-cnn run, to audit on another machine), pytest.txt and bench.md (bench_engine.py on the GPU).
+set -u
+out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [SHARED_DIR] [GPU]}
+shared=${2:-../shared}
+gpu=${3:-cuda}
+py=${PYTHON:-python3}
+work=$(mktemp -d)  # runs and per-command outputs; only packed files go to OUT_DIR
+mkdir -p "$out"
+vt() { timeout "$1" "$py" -m veritrain.cli "${@:2}"; }
+t0=$(date +%s)
+stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
+
+stamp environment
+{ nvidia-smi -L 2>/dev/null; lscpu | grep -m1 'Model name'; nproc
+  "$py" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"; } 2>&1 | tee "$out/env.txt"
+
+gpt2=(gpt2-shakespeare --set "corpus=$shared/data/shakespeare.txt" --set "tokenizer=$shared/data/gpt2-tokenizer"
+      --set n_layer=2 --set n_embd=128 --set n_head=4 --set max_chars=200000 --set lr=1e-3 --set schedule_steps=10)
+digits=(digits-cnn)
+resnet=(resnet-cifar10 --set data=digits --set arch=resnet18 --set width=8 --set batch_size=16
+        --set train_examples=512 --set eval_examples=297)
+
+summarise() {
+  "$py" - "$work" "$gpu" > "$out/summary.md" <<'EOF'
+import json, os, sys
+work, gpu = sys.argv[1], sys.argv[2]
+def load(p):
+    try:
+        return json.load(open(os.path.join(work, p)))
+    except (OSError, ValueError):
+        return None
+print("| workload | trained on | audited on | accepted | steps | corrections forward / backward / optimizer "
+      "| per step | suspicious | log entries | final state = other device's trainer | plain float32 final states equal |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for w in ("digits", "gpt2", "resnet"):
+    for side, other in (("gpu", "cpu"), ("cpu", "gpu")):
+        t, a, t2 = load(f"{w}-{side}-train.json"), load(f"{w}-{side}-audit.json"), load(f"{w}-{other}-train.json")
+        f1, f2 = load(f"{w}-{side}-fp32.json"), load(f"{w}-{other}-fp32.json")
+        d, o = (gpu, "cpu") if side == "gpu" else ("cpu", gpu)
+        if not t:
+            continue
+        if not a:
+            print(f"| {w} | {d} | {o} | not finished | {t['steps']} | | | | | | |")
+            continue
+        c, sus, entries = a["corrections"], a["suspicious"], a["entries"]
+        same = "?" if not t2 else t2["final_state_hash"] == t["final_state_hash"]
+        fsame = f1["final_state_hash"] == f2["final_state_hash"] if f1 and f2 else "?"
+        print(f"| {w} | {d} | {o} | {a['accepted']} | {t['steps']} | {c['forward']} / {c['backward']} / "
+              f"{c['optimizer']} | {sum(c.values()) / max(t['steps'], 1):.2f} | {sus} | {entries} | {same} | {fsame} |")
+EOF
+  (cd "$work" && tar czf "$out/audits.tar.gz" --exclude=runs .)
+}
+
+# Each workload: trained verified on the GPU and on the CPU, each audited on the other device, then
+# trained in plain float32 on both (their bits differ without veritrain).
+for w in digits gpt2 resnet; do
+  declare -n args=$w
+  steps=10; [ $w = gpt2 ] && steps=6; [ $w = resnet ] && steps=4
+  for side in gpu cpu; do  # files are named by side, so GPU=cpu (a try-out here) keeps both apart
+    other=cpu; dev=$gpu; [ $side = cpu ] && other=gpu dev=cpu
+    odev=$gpu; [ $other = cpu ] && odev=cpu
+    stamp "$w: trained on $dev, audited on $odev"
+    vt 150 train "${args[@]}" --steps $steps --checkpoint-every 2 --quiet --json --device "$dev" \
+      --out "$work/runs/$w-$side" > "$work/$w-$side-train.json" 2> "$work/$w-$side-train.err" \
+      || tail -3 "$work/$w-$side-train.err"
+    vt 150 audit "$work/runs/$w-$side" --json --quiet --device "$odev" --out "$work/runs/$w-$side-audit" \
+      > "$work/$w-$side-audit.json" 2> "$work/$w-$side-audit.err" || tail -3 "$work/$w-$side-audit.err"
+    summarise
+  done
+  [ $w = digits ] && (cd "$work/runs" && tar czf "$out/digits-gpu-run.tar.gz" digits-gpu 2>/dev/null)
+  for side in gpu cpu; do
+    dev=$gpu; [ $side = cpu ] && dev=cpu
+    vt 100 train "${args[@]}" --steps $steps --checkpoint-every $steps --quiet --json --mode fp32 --device "$dev" \
+      --out "$work/runs/$w-$side-fp32" > "$work/$w-$side-fp32.json" 2>/dev/null
+  done
+  summarise
+  cat "$out/summary.md"
+done
+
+stamp "the CUDA tests of tests/test_device.py (skipped where no GPU is visible)"
+timeout 200 "$py" -m pytest -n 0 -q -x -p no:cacheprovider tests/test_device.py -k cuda 2>&1 | tail -25 \
+  | tee "$out/pytest.txt"
+
+stamp "bench/bench_engine.py on $gpu"
+timeout 200 "$py" bench/bench_engine.py --device "$gpu" --workloads gpt2-117m --steps 2 --out "$out/bench.md" \
+  --shared "$shared" 2>&1 | tail -20
+rm -rf "$work"
+stamp done

@@ -3,8 +3,14 @@
 #
 #   bash bench/gpu_check.sh OUT_DIR [SHARED_DIR] [GPU]
 #
-# SHARED_DIR holds data/shakespeare.txt and data/gpt2-tokenizer (default ../shared); GPU is the device
-# the "GPU" side uses (default cuda; cpu runs the whole script here, to try it before a GPU is lent).
+# SHARED_DIR holds data/shakespeare.txt and data/gpt2-tokenizer (default ../shared). GPU is the device the
+# "GPU" side uses (default cuda; cpu runs the whole script here, to try it before a GPU is lent).
+#
+# With the device tool: copy ../shared/data into the checkout's shared/ (git ignores it, the tool carries
+# it), put the zstandard wheel in .whl/ (../.library/device/README.md), and run, carrying .whl:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 && timeout 540 bash bench/gpu_check.sh $OUT shared
+#   > $OUT/log.txt 2>&1
 # Most important first, each part under its own time limit, the summary rewritten after each workload,
 # so a run cut short still returns what it measured. OUT_DIR gets at most 8 files (what the device tool
 # brings back): log.txt is written by the caller; env.txt, summary.md (the figures bench/RESULTS.md
@@ -63,11 +69,11 @@ EOF
   (cd "$work" && tar czf "$out/audits.tar.gz" --exclude=runs .)
 }
 
-# Each workload: trained verified on the GPU and on the CPU, each audited on the other device, then
-# trained in plain float32 on both (their bits differ without veritrain).
-for w in digits gpt2 resnet; do
+# Each workload: trained verified on the GPU and on the CPU, each audited on the other device; digits-cnn
+# also in plain float32 on both (their bits differ without veritrain). GPU step times come after GPT-2.
+workload() {
+  local w=$1 steps=$2
   declare -n args=$w
-  steps=10; [ $w = gpt2 ] && steps=6; [ $w = resnet ] && steps=4
   for side in gpu cpu; do  # files are named by side, so GPU=cpu (a try-out here) keeps both apart
     other=cpu; dev=$gpu; [ $side = cpu ] && other=gpu dev=cpu
     odev=$gpu; [ $other = cpu ] && odev=cpu
@@ -79,22 +85,28 @@ for w in digits gpt2 resnet; do
       > "$work/$w-$side-audit.json" 2> "$work/$w-$side-audit.err" || tail -3 "$work/$w-$side-audit.err"
     summarise
   done
-  [ $w = digits ] && (cd "$work/runs" && tar czf "$out/digits-gpu-run.tar.gz" digits-gpu 2>/dev/null)
-  for side in gpu cpu; do
-    dev=$gpu; [ $side = cpu ] && dev=cpu
-    vt 100 train "${args[@]}" --steps $steps --checkpoint-every $steps --quiet --json --mode fp32 --device "$dev" \
-      --out "$work/runs/$w-$side-fp32" > "$work/$w-$side-fp32.json" 2>/dev/null
-  done
-  summarise
   cat "$out/summary.md"
+}
+
+workload digits 10
+(cd "$work/runs" && tar czf "$out/digits-gpu-run.tar.gz" digits-gpu 2>/dev/null)
+for side in gpu cpu; do
+  dev=$gpu; [ $side = cpu ] && dev=cpu
+  vt 100 train digits-cnn --steps 10 --checkpoint-every 10 --quiet --json --mode fp32 --device "$dev" \
+    --out "$work/runs/digits-$side-fp32" > "$work/digits-$side-fp32.json" 2>/dev/null
 done
+summarise
+workload gpt2 6
+
+stamp "bench/bench_engine.py on $gpu: GPT-2 117M, plain float32 / float64, trainer, auditor"
+timeout 200 "$py" bench/bench_engine.py --device "$gpu" --workloads gpt2-117m --steps 2 --out "$out/bench.md" \
+  --shared "$shared" 2>&1 | tail -20
+
+workload resnet 4
 
 stamp "the CUDA tests of tests/test_device.py (skipped where no GPU is visible)"
 timeout 200 "$py" -m pytest -n 0 -q -x -p no:cacheprovider tests/test_device.py -k cuda 2>&1 | tail -25 \
   | tee "$out/pytest.txt"
 
-stamp "bench/bench_engine.py on $gpu"
-timeout 200 "$py" bench/bench_engine.py --device "$gpu" --workloads gpt2-117m --steps 2 --out "$out/bench.md" \
-  --shared "$shared" 2>&1 | tail -20
 rm -rf "$work"
 stamp done

@@ -21,7 +21,8 @@ step by step under the engine, exactly as without capture (``fallback``):
 * the trainer's compiled pass finds a candidate (a result near a rounding midpoint) in any of the region's
   approximate ops: the eager engine classifies and logs it. (A compiled float64 result is another correct
   evaluation of the op, as for the fused kernels: where it finds no candidate, no machine within the error
-  model rounds any result differently, so no entry is needed; fused.py.)
+  model rounds any result differently, so no entry is needed; fused.py. That holds for the CPU's compiled
+  code; on CUDA it did not, and capture runs on CPUs only: fused.compiled_path.)
 * the auditor's log has an entry, a scalar entry other than the one an honest trainer writes, or a record
   that differs from the template for any of the region's ops: the eager engine applies and checks them
   (and names any problem, as it always does).

@@ -100,7 +100,7 @@ workload gpt2 6
 
 stamp "bench/bench_engine.py on $gpu: GPT-2 117M, plain float32 / float64, trainer, auditor"
 timeout 200 "$py" bench/bench_engine.py --device "$gpu" --workloads gpt2-117m --steps 2 --out "$out/bench.md" \
-  --shared "$shared" 2>&1 | tail -20
+  --shared "$shared/data" 2>&1 | tail -20
 
 workload resnet 4
 

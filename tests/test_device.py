@@ -317,7 +317,7 @@ def test_compiled_paths_run_on_the_cpu_only(monkeypatch, setting):
     """On an H200 the compiled paths trained digits-cnn to another state than the CPU (same log, failed
     audit) while the eager engine on CUDA gave the CPU's bits: on a GPU every op takes the eager engine,
     even with VERITRAIN_COMPILE=1."""
-    from veritrain import blocked, capture
+    from veritrain import blocked, capture, rounding
     from veritrain.fused import FusedKernels
 
     monkeypatch.setenv("VERITRAIN_COMPILE", setting)
@@ -326,6 +326,12 @@ def test_compiled_paths_run_on_the_cpu_only(monkeypatch, setting):
         assert enabled_for(large, "cpu") and enabled_for(large, torch.device("cpu")), enabled_for.__module__
         for device in ("cuda", "cuda:1", torch.device("cuda", 0), "meta"):
             assert not enabled_for(large, device), (enabled_for.__module__, device)
+    # the candidate scan asks the same rule about its tensor's device
+    asked = []
+    monkeypatch.setattr(rounding, "compiled_path", lambda n, device, *a: asked.append(device) or False)
+    y = torch.randn(1 << 10, dtype=torch.float64)
+    rounding._candidates(y, y.abs(), 2.0, rounding.Grid(32))
+    assert asked == [y.device]
 
 
 

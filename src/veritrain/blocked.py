@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused import compiled_path
+from .hardware import compiled_path
 
 MIN_NUMEL = 1 << 22  # elements of the large float32 operand (16 MB) from which blocking pays (VERITRAIN_BLOCK_MIN_NUMEL)
 BLOCK_NUMEL = 1 << 18  # float64 elements of one operand block: 2 MB, in cache between its copy and its product

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from . import decompositions, rules
-from .fused import FusedKernels, _round_to_grid, compiled_path
+from .fused import FusedKernels, _round_to_grid
+from .hardware import compiled_path
 from .logformat import OutputEntries
 from .rounding import candidate_mask
 

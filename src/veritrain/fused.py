@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from .hardware import compiled_path
 from .rounding import FLOAT32_MIN_NORMAL, Grid, candidate_mask as _candidate_mask
 
 aten = torch.ops.aten
@@ -95,23 +96,6 @@ class Plan:
     def operands(self):
         """The kernel's tensor arguments: flattened to 1-D; 0-d tensors unchanged."""
         return [t.reshape(-1) if t.dim() else t for t in self.tensors]
-
-
-def compiled_path(numel: int, device, min_numel_variable: str, default_min_numel: int) -> bool:
-    """Whether an op on ``device`` whose largest tensor has ``numel`` elements takes a compiled path (the
-    fused kernels, fused sums, captured regions, blocked products) rather than the eager engine.
-
-    Only on a CPU. On an H200 (bench/RESULTS.md, "GPU trainer, CPU auditor") the compiled paths did not
-    conform: digits-cnn trained with them on CUDA reached another state after its first step than the
-    CPU, with the same log, so its audit failed; the eager engine on CUDA gave the CPU's bits exactly.
-    Elsewhere ``VERITRAIN_COMPILE`` decides: 1 always, 0 never; by default ops with at least
-    ``min_numel_variable`` (an environment variable; ``default_min_numel`` if unset) elements."""
-    if torch.device(device).type != "cpu":
-        return False
-    mode = os.environ.get("VERITRAIN_COMPILE", "auto")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return numel >= int(os.environ.get(min_numel_variable, default_min_numel))
 
 
 class FusedKernels:

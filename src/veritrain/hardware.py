@@ -206,3 +206,21 @@ def _device_description() -> dict:
         out["device_name"] = torch.cuda.get_device_name(device)
         out["device_settings"] = dict(_device_settings)
     return out
+
+
+def compiled_path(numel: int, device, min_numel_variable: str, default_min_numel: int) -> bool:
+    """Whether an op on ``device`` (a torch.device or its name) whose largest tensor has ``numel`` elements
+    takes a compiled path (fused kernels and sums, captured regions, blocked products, the compiled
+    candidate scan) rather than the eager engine.
+
+    Only on a CPU. On an H200 (bench/RESULTS.md, "GPU trainer, CPU auditor") digits-cnn trained with the
+    compiled paths on CUDA left the CPU's bits within two steps, without a log entry to say so, and failed
+    its CPU audit; the eager engine on CUDA gave the CPU's bits exactly. On a CPU ``VERITRAIN_COMPILE``
+    decides: 1 always, 0 never; by default ops with at least ``min_numel_variable`` (an environment
+    variable; ``default_min_numel`` if unset) elements."""
+    if getattr(device, "type", device if isinstance(device, str) else "").split(":")[0] != "cpu":
+        return False
+    mode = os.environ.get("VERITRAIN_COMPILE", "auto")
+    if mode in ("0", "1"):
+        return mode == "1"
+    return numel >= int(os.environ.get(min_numel_variable, default_min_numel))

@@ -22,10 +22,11 @@ that pass the cheap test (a superset) are classified exactly on the few survivor
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
+
+from .hardware import compiled_path
 
 UNIT_ROUNDOFF = 2.0**-53  # u for float64: |fl(x) - x| <= u |x|
 _TWO_52 = 2.0**52
@@ -222,11 +223,6 @@ _NUMPY_MAX_NUMEL = 1 << 18
 
 
 _compiled = None
-_COMPILE_MIN_NUMEL = int(os.environ.get("VERITRAIN_COMPILE_MIN_NUMEL", 1 << 20))
-
-
-def _compile_mode() -> str:
-    return os.environ.get("VERITRAIN_COMPILE", "auto")
 
 
 def _candidates(y, scale, c, grid: Grid, positions: bool = False):
@@ -236,8 +232,7 @@ def _candidates(y, scale, c, grid: Grid, positions: bool = False):
         scale = torch.as_tensor(scale, dtype=torch.float64, device=y.device).expand(y.shape)
     y = y.contiguous()
     scale = scale.contiguous()
-    mode = _compile_mode()
-    if mode != "0" and (mode == "1" or y.numel() >= _COMPILE_MIN_NUMEL):
+    if compiled_path(y.numel(), y.device, "VERITRAIN_COMPILE_MIN_NUMEL", 1 << 20):
         fn = _get_compiled()
         if fn is not None:
             mask = fn(y.reshape(-1), scale.reshape(-1), c2, grid.low_mask, grid.half, grid.value_units)

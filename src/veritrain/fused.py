@@ -3,8 +3,8 @@
 Computing an elementwise op in float64 with eager torch ops costs an upcast per input, the op, the error
 scale, the near-midpoint test and the rounding: about ten passes over memory, against one for the op.
 Here the same computation is generated as one small Python function per (op, argument structure) and
-compiled with torch.compile (C++/OpenMP on CPUs, Triton on GPUs), so it reads each float32 input once
-and writes the float32 result and a candidate mask.
+compiled with torch.compile (C++/OpenMP; on CPUs only, hardware.compiled_path: Triton's kernels did not
+conform on a GPU), so it reads each float32 input once and writes the float32 result and a candidate mask.
 
 The compiled kernel is just another correct float64 implementation of the op (its libm and operation
 order may differ from ATen's, within the op's threshold). For the few candidates the trainer recomputes

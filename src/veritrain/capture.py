@@ -22,7 +22,7 @@ step by step under the engine, exactly as without capture (``fallback``):
   approximate ops: the eager engine classifies and logs it. (A compiled float64 result is another correct
   evaluation of the op, as for the fused kernels: where it finds no candidate, no machine within the error
   model rounds any result differently, so no entry is needed; fused.py. That holds for the CPU's compiled
-  code; on CUDA it did not, and capture runs on CPUs only: fused.compiled_path.)
+  code; on CUDA it did not, and capture runs on CPUs only: hardware.compiled_path.)
 * the auditor's log has an entry, a scalar entry other than the one an honest trainer writes, or a record
   that differs from the template for any of the region's ops: the eager engine applies and checks them
   (and names any problem, as it always does).
@@ -121,7 +121,7 @@ def enabled_for(numel: int, device) -> bool:
     """``VERITRAIN_COMPILE`` as for the fused kernels (1 always, 0 never); by default, regions whose largest
     tensor has at least ``VERITRAIN_CAPTURE_MIN_NUMEL`` elements (65536, as the fused kernels: a compile
     costs seconds, so short runs of small models stay eager; long ones gain most from a lower value). CPU only
-    (fused.compiled_path)."""
+    (hardware.compiled_path)."""
     return compiled_path(numel, device, "VERITRAIN_CAPTURE_MIN_NUMEL", 1 << 16)
 
 

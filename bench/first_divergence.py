@@ -43,8 +43,8 @@ def describe_difference(name: str, a: torch.Tensor, b: torch.Tensor) -> str:
         n = int((a != b).sum())
         return f"{name}: {a.dtype} {tuple(a.shape)}, {n} of {a.numel()} elements differ"
     diff = (a.double() - b.double()).abs()
-    n = int((a.view(-1).view(torch.int8 if a.element_size() == 1 else getattr(torch, f"int{8 * a.element_size()}"))
-             != b.view(-1).view(getattr(torch, f"int{8 * b.element_size()}"))).sum())
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]  # same dtype: checked
+    n = int((a.reshape(-1).view(bits) != b.reshape(-1).view(bits)).sum())
     return (f"{name}: {a.dtype} {tuple(a.shape)}, {n} of {a.numel()} elements differ, max |diff| {float(diff.max()):.3g} "
             f"(max |value| {float(a.double().abs().max()):.3g})")
 

@@ -125,6 +125,42 @@ def test_foreach_ops_round_each_tensor(tmp_path):
     assert all(n.dtype == torch.float32 for n in norms)
 
 
+def test_a_foreach_ops_outputs_scanned_together_log_what_one_scan_each_logs(tmp_path, monkeypatch):
+    """The trainer scans a foreach op's small results laid end to end (VerifiedMode._scan_jointly); each
+    output's entries, and the log's bytes, must be those of one scan per output. Wide thresholds give many
+    entries, scattered over the outputs; sizes straddle the scan's chunks."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = [1, 5, 100, 3000, 40000, 30000, 7, 70000]
+    xs0 = [torch.randn(n, generator=gen) for n in sizes]
+    t1 = [torch.randn(n, generator=gen) for n in sizes]
+    t2 = [torch.rand(n, generator=gen) + 0.5 for n in sizes]
+    cfg = EngineConfig(thresholds={"elementwise": 2.0**21})
+
+    def step(path):
+        xs = [x.clone() for x in xs0]
+        with logged_step(cfg, 0, writer=StepLogWriter(str(path), 0, 32)) as mode:
+            torch._foreach_addcdiv_(xs, t1, t2, [0.1 * (k + 1) for k in range(len(sizes))])
+        return xs, mode.stats, open(path, "rb").read()
+
+    scanned = []
+    orig = VerifiedMode._scan_jointly
+
+    def spy(self, slots):
+        orig(self, slots)
+        scanned.extend(getattr(s, "found", None) is not None for s in slots)
+
+    monkeypatch.setattr(VerifiedMode, "_scan_jointly", spy)
+    joint = step(tmp_path / "joint.vtlog")
+    assert sum(scanned) >= 6, scanned  # every output below the fused kernels' size, in more than one chunk
+    monkeypatch.setattr(VerifiedMode, "_scan_jointly", lambda self, slots: None)
+    alone = step(tmp_path / "alone.vtlog")
+    assert joint[2] == alone[2]
+    assert all(torch.equal(a, b) for a, b in zip(joint[0], alone[0]))
+    reader = StepLogReader(str(tmp_path / "joint.vtlog"), expect_step=0)
+    per_output = [o.n_entries for o in reader.next_op().outputs]
+    assert sum(n > 0 for n in per_output) >= 5 and sum(per_output) > 100, per_output
+
+
 def test_batchnorm_running_stats_are_updated_and_rounded(tmp_path):
     bn = nn.BatchNorm1d(5)
     x = torch.randn(16, 5)
@@ -236,9 +272,46 @@ def test_half_precision_and_fused_optimizers_are_refused(tmp_path):
     p = nn.Parameter(torch.randn(3))
     with pytest.raises(TaskError, match="fused=True"):
         normalize_optimizer(torch.optim.AdamW([p], fused=True))
-    opt = torch.optim.AdamW([p], foreach=True)
+    opt = torch.optim.AdamW([p], foreach=False)
     normalize_optimizer(opt)
-    assert opt.param_groups[0]["foreach"] is False
+    assert opt.param_groups[0]["foreach"] is True and opt.defaults["foreach"] is True
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=5e-4),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+], ids=["sgd", "adamw", "adam", "rmsprop"])
+def test_optimizers_run_foreach_in_a_few_ops_with_the_single_tensor_bits(tmp_path, make):
+    """normalize_optimizer pins foreach: each update formula is one engine op for all parameters, not one
+    per parameter, and the verified steps end with the bits of the single-tensor implementation."""
+    from veritrain.task import normalize_optimizer
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 3, 3, 3), (8,), (8,), (16, 8, 3, 3), (16,), (10, 64), (10,)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    states, ops = [], []
+    for foreach in (True, False):
+        ps = [nn.Parameter(t.clone()) for t in init]
+        opt = make(ps)
+        if foreach:
+            normalize_optimizer(opt)
+        else:
+            for g in opt.param_groups:
+                g["foreach"] = False
+        n = 0
+        for step, gs in enumerate(grads):
+            for p_, g in zip(ps, gs):
+                p_.grad = g.clone()
+            with step_context(EngineConfig(), step) as mode:
+                opt.step()
+            n += mode.stats.ops
+        states.append([p_.detach().clone() for p_ in ps])
+        ops.append(n)
+    assert all(torch.equal(a, b) for a, b in zip(*states))
+    assert ops[0] * 3 < ops[1], ops
 
 
 def test_scalars_are_rounded_to_float32_and_near_midpoint_ones_logged(tmp_path):

@@ -101,3 +101,46 @@ def test_a_kernel_compiles_once_whatever_the_callers_grad_mode(monkeypatch):
             off = x.exp()
     assert torch.equal(on, off)
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+FOREACH = {  # the optimizers' foreach updates that engine._FOREACH_AS_SINGLE computes by a single op's kernel
+    "add.List": lambda xs, t1, t2: torch._foreach_add_(xs, t1, alpha=-0.0123),
+    "lerp.Scalar": lambda xs, t1, t2: torch._foreach_lerp_(xs, t1, 0.1),
+    "addcmul.Scalar": lambda xs, t1, t2: torch._foreach_addcmul_(xs, t1, t2, 0.001),
+    "addcdiv.ScalarList": lambda xs, t1, t2: torch._foreach_addcdiv_(xs, t1, t2, [-3e-3 * (k + 1) for k in range(len(xs))]),
+    "sqrt": lambda xs, t1, t2: torch._foreach_sqrt_(xs),
+    "div.ScalarList": lambda xs, t1, t2: torch._foreach_div_(xs, [0.3 + k for k in range(len(xs))]),
+}
+
+
+@pytest.mark.parametrize("name", FOREACH)
+def test_a_foreach_updates_large_tensors_by_the_single_ops_kernel_with_the_eager_log(tmp_path, monkeypatch, name):
+    """A foreach op's large tensors go through their single-tensor op's fused kernel, its small ones through
+    that op eagerly; the results and the log's bytes must be the eager foreach op's (VERITRAIN_COMPILE=0),
+    with many entries in both kinds of output."""
+    monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "4096")
+    g = torch.Generator().manual_seed(1)
+    sizes = [(64, 100), (7,), (5000,), (3, 3, 3), (80, 80)]
+    xs0 = [torch.randn(s, generator=g) for s in sizes]
+    if name == "sqrt":
+        xs0 = [x.abs() for x in xs0]
+    t1 = [torch.randn(s, generator=g) for s in sizes]
+    t2 = [torch.rand(s, generator=g) + 0.5 for s in sizes]
+    fused_slots = []
+    real = engine.VerifiedMode._fused_slot
+    monkeypatch.setattr(engine.VerifiedMode, "_fused_slot",
+                        lambda self, *a: (lambda slot: fused_slots.append(slot) or slot)(real(self, *a)))
+    runs = []
+    for compile_mode in ("auto", "0"):
+        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+        xs = [x.clone() for x in xs0]
+        path = tmp_path / f"{compile_mode}.vtlog"
+        with engine.logged_step(WIDE, 0, writer=StepLogWriter(str(path), 0, 32)):
+            FOREACH[name](xs, t1, t2)
+        runs.append((xs, path.read_bytes()))
+    assert sum(s is not None for s in fused_slots) == 3, fused_slots  # the three large tensors, compiled
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert runs[0][1] == runs[1][1]
+    with StepLogReader(str(tmp_path / "auto.vtlog"), expect_step=0) as r:
+        entries = [o.n_entries for o in r.next_op().outputs]
+    assert entries[0] > 0 and entries[1] + entries[3] > 0, entries  # a large output's and a small one's

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import accelerator, blocked, capture, decompositions, randomness, rules
+from . import accelerator, blocked, capture, decompositions, hardware, randomness, rules
 from .fused import Epilogues, FusedKernels, FusedSums, Unfusable, rows_of
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
 from .rounding import UNIT_ROUNDOFF, Grid, mask_positions
@@ -330,6 +330,7 @@ class _EagerSlot:
         self._epilogues = epilogues
         self._y32 = None
         self._scale = None
+        self.found = None  # candidate positions, where VerifiedMode._scan_jointly found them
 
     @property
     def y32(self):
@@ -352,6 +353,8 @@ class _EagerSlot:
 
     def candidate_indices(self, c):
         """Flat positions that may need a log entry."""
+        if self.found is not None:
+            return self.found
         s = self._scale_obj()
         if isinstance(s, rules.RowSubset):
             if not len(s.rows):
@@ -462,7 +465,41 @@ class _SumSlot(_FusedSlot):
         return y, s
 
 
-_FUSED_SUMS = {aten.sum.dim_IntList, aten.mean.dim}  # computed by FusedSums where it can
+_FUSED_SUMS = {aten.sum.dim_IntList, aten.mean.dim}
+
+
+def _each(**names):
+    """The named arguments of a foreach op's single-tensor op for tensor i: ``names`` maps each of the op's
+    arguments to the foreach op's (a list: its i-th element; else the value itself)."""
+    def arguments(named, i):
+        out = {}
+        for mine, theirs in names.items():
+            v = named[theirs]
+            out[mine] = v[i] if isinstance(v, (list, tuple)) else v
+        return out
+    return arguments
+
+
+# foreach ops (the optimizers' updates, task.normalize_optimizer) whose result for each tensor is a single-tensor
+# op's, with the same error scale (rules.py: |self| + |result|, or |result|): that op's fused kernel computes
+# a large tensor's (_try_fused_foreach). tests/test_engine.py holds the two to the same bits and log.
+_FOREACH_AS_SINGLE = {
+    aten._foreach_add.List: (aten.add.Tensor, _each(self="self", other="other", alpha="alpha")),
+    aten._foreach_sub.List: (aten.sub.Tensor, _each(self="self", other="other", alpha="alpha")),
+    aten._foreach_lerp.Scalar: (aten.lerp.Scalar, _each(self="self", end="tensors1", weight="weight")),
+    aten._foreach_addcmul.Scalar: (aten.addcmul.default, _each(self="self", tensor1="tensor1", tensor2="tensor2",
+                                                               value="value")),
+    aten._foreach_addcmul.ScalarList: (aten.addcmul.default, _each(self="self", tensor1="tensor1",
+                                                                   tensor2="tensor2", value="scalars")),
+    aten._foreach_addcdiv.Scalar: (aten.addcdiv.default, _each(self="self", tensor1="tensor1", tensor2="tensor2",
+                                                               value="value")),
+    aten._foreach_addcdiv.ScalarList: (aten.addcdiv.default, _each(self="self", tensor1="tensor1",
+                                                                   tensor2="tensor2", value="scalars")),
+    aten._foreach_sqrt.default: (aten.sqrt.default, _each(self="self")),
+    aten._foreach_div.Scalar: (aten.div.Scalar, _each(self="self", other="scalar")),
+    aten._foreach_div.ScalarList: (aten.div.Scalar, _each(self="self", other="scalars")),
+}
+_JOINT_MAX_NUMEL = 1 << 16  # outputs scanned together (_scan_jointly): smaller ones, this many values a scan  # computed by FusedSums where it can
 
 
 class VerifiedMode(TorchDispatchMode):
@@ -667,11 +704,19 @@ class VerifiedMode(TorchDispatchMode):
             self._finish_op(func, record, scalars, [None if y is None else _ExactSlot(y, self.grid) for y in slots])
             return result
 
-        if rule.kind == rules.APPROX and rule.fused and self.probe is None and self.emulate is None:
+        # the fused paths' size test on the largest operand of all first, before their own work: where it fails
+        # theirs would too (they test a tensor of these, on its device; off the CPU they are off)
+        fusable = self.probe is None and self.emulate is None and FusedKernels.enabled_for(
+            max((x.numel() for x in leaves if isinstance(x, torch.Tensor)), default=0), "cpu")
+        if fusable and rule.kind == rules.APPROX and rule.fused:
             done = self._try_fused(func, rule, info, leaves, spec, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
-        if func in _FUSED_SUMS and self.probe is None and self.emulate is None:
+        if fusable and rule.kind == rules.APPROX and func.name().startswith("aten::_foreach_"):
+            done = self._try_fused_foreach(func, rule, info, leaves, spec, args, kwargs, record, scalars)
+            if done is not _NOT_FUSED:
+                return done
+        if fusable and func in _FUSED_SUMS:
             done = self._try_fused_sum(func, rule, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
@@ -771,17 +816,30 @@ class VerifiedMode(TorchDispatchMode):
         named = _named(func, args2, kwargs2)
         if info.variant == "out":
             named = {k: v for k, v in named.items() if k not in info.targets}
+        slot = self._fused_slot(func, run, rule, named)
+        if slot is None:
+            return _NOT_FUSED
+        final = self._finish_op(func, record, scalars, [slot])[0].view(slot.shape)
+        if info.variant in ("inplace", "out"):
+            orig = _named(func, args, kwargs)[info.targets[0]]
+            _write_back(orig, final)
+            return orig if func._schema.returns else None
+        return final
+
+    def _fused_slot(self, func, run, rule, named):
+        """``run``'s result for arguments ``named`` (float scalars on float32) from a fused kernel, or None where
+        none applies (too small, not elementwise, not compiled here)."""
         tensors = [x for x in named.values() if isinstance(x, torch.Tensor)]
         numel = max((x.numel() for x in tensors), default=0)
         if not tensors or not FusedKernels.enabled_for(numel, max(tensors, key=torch.Tensor.numel).device):
-            return _NOT_FUSED
+            return None
         fk = self._fused_kernels()
         try:
             plan = fk.plan(rules.base_name(run), run, named, rule.fused)
         except Unfusable:
-            return _NOT_FUSED
+            return None
         if plan.key in fk._failed:
-            return _NOT_FUSED
+            return None
         c = self.config.thresholds[rule.op_class]
         want = self.writer is not None
         operands = plan.operands()
@@ -790,22 +848,52 @@ class VerifiedMode(TorchDispatchMode):
         try:
             built = fk.kernel(plan, run, rule.fused, c, want)
             if built is None:  # this op has compiled its quota of kernels
-                return _NOT_FUSED
+                return None
             kernel, compute = built
             out = kernel(*operands, *extra)
         except Exception as exc:  # compile or run failure: remember it, use the eager engine
             fk._failed.add(plan.key)
             fk.warn_once(func, exc)
-            return _NOT_FUSED
+            return None
         y32, cand = (out[0], out[1]) if want else (out, None)
-        slot = _FusedSlot(y32.reshape(-1), None if cand is None else cand.reshape(-1), compute, operands, extra,
+        return _FusedSlot(y32.reshape(-1), None if cand is None else cand.reshape(-1), compute, operands, extra,
                           plan.shape, rule.op_class)
-        final = self._finish_op(func, record, scalars, [slot])[0].view(plan.shape)
-        if info.variant in ("inplace", "out"):
-            orig = _named(func, args, kwargs)[info.targets[0]]
-            _write_back(orig, final)
-            return orig if func._schema.returns else None
-        return final
+
+    def _try_fused_foreach(self, func, rule, info, leaves, spec, args, kwargs, record, scalars):
+        """A foreach op (an optimizer's update of every parameter) with large tensors: each tensor's result is
+        its single-tensor op's (``_FOREACH_AS_SINGLE``: the same value, the same error scale and class), from
+        that op's fused kernel where the tensor is large and eagerly otherwise, in one record with an output
+        per tensor, as the eager engine writes it."""
+        run = info.functional if info.variant == "inplace" else func
+        single = _FOREACH_AS_SINGLE.get(run)
+        if single is None or info.variant not in ("plain", "inplace"):
+            return _NOT_FUSED
+        op, arguments = single
+        named = _named(func, *_unflatten_call(leaves, spec))
+        calls = [arguments(named, i) for i in range(len(named["self"]))]
+        if not calls or not any(FusedKernels.enabled_for(c["self"].numel(), c["self"].device) for c in calls) \
+                or any(_is_float_tensor(v) and v.dtype != torch.float32 for c in calls for v in c.values()):
+            return _NOT_FUSED
+        op_rule = rules.lookup(op, calls[0])
+        if op_rule.kind != rules.APPROX or op_rule.op_class != rule.op_class or op_rule.fused is None:
+            return _NOT_FUSED
+        slots = []
+        for call in calls:
+            slot = self._fused_slot(func, op, op_rule, call)
+            if slot is None:  # small, or not compiled here: the single op in float64
+                up = {k: v.to(torch.float64) if _is_float_tensor(v) else v for k, v in call.items()}
+                a64, k64 = _from_named(op, up, len([a for a in op._schema.arguments if not a.kwarg_only]))
+                y = op(*a64, **k64)
+                slot = _EagerSlot(y, _Analysis(rules.Call(op, a64, k64, [y]), op_rule), 0, self.grid,
+                                  self._epilogues())
+            slots.append(slot)
+        finals = self._finish_op(func, record, scalars, slots)
+        results = [f.view(t.shape) for f, t in zip(finals, named["self"])]
+        if info.variant == "inplace":
+            for orig, y32 in zip(_named(func, args, kwargs)["self"], results):
+                _write_back(orig, y32)
+            return None
+        return results
 
     def _try_fused_sum(self, func, rule, args, kwargs, record, scalars):
         named = _named(func, args, kwargs)
@@ -890,6 +978,8 @@ class VerifiedMode(TorchDispatchMode):
                 raise ReplayMismatchError(
                     f"step {self.step}, op #{self.op_index} {func}: output shapes {shapes} differ from the "
                     f"log's {got} (a different task, configuration or batch)")
+        if self.writer is not None and self.emulate != "perturb" and self.probe is None:
+            self._scan_jointly(slots)
         k = 0
         for i, slot in enumerate(slots):
             if slot is None:
@@ -925,6 +1015,31 @@ class VerifiedMode(TorchDispatchMode):
             stats.entries_scalar += len(scalars)
             self.writer.op(_info(func).label, scalars, entries, n_rounded)
         return finals
+
+    def _scan_jointly(self, slots):
+        """Trainer: the candidate positions of a many-output op's small float64 results (a foreach op's, one
+        per parameter) from one scan of them laid end to end, kept in each slot for ``_record``. The bulk test
+        is elementwise, so each position gets the answer its own output's scan gives; but a scan per output
+        costs more to call than to run. Outputs that a fused epilogue scans, or whose scale covers some rows
+        only, keep their own scan."""
+        group = [s for s in slots if type(s) is _EagerSlot and s.y64.device.type == "cpu"
+                 and s.y64.numel() < _JOINT_MAX_NUMEL and not FusedKernels.enabled_for(s.y64.numel(), "cpu")
+                 and not isinstance(s._scale_obj(), rules.RowSubset)]
+        if len(group) < 2:
+            return
+        c = self.config.thresholds[group[0].op_class]  # one rule, so one class, for all of an op's outputs
+        while group:
+            chunk, total = [], 0
+            while group and total < _JOINT_MAX_NUMEL:  # copies of a few hundred KB at most
+                chunk.append(group.pop(0))
+                total += chunk[-1].y64.numel()
+            bounds = np.cumsum([0] + [s.y64.numel() for s in chunk])
+            y = torch.cat([s.y64.reshape(-1) for s in chunk])
+            scale = torch.cat([s.scale().reshape(-1) for s in chunk])
+            pos = self.grid.candidate_positions(y, scale, c).numpy()
+            cuts = np.searchsorted(pos, bounds)
+            for k, s in enumerate(chunk):
+                s.found = torch.from_numpy(pos[cuts[k]:cuts[k + 1]] - bounds[k])
 
     def _record(self, slot, c) -> OutputEntries:
         """Trainer: find the entries of one output (and keep its float32 result consistent with them)."""
@@ -1296,7 +1411,8 @@ def step_context(config: EngineConfig, step: int, writer=None, reader=None, trac
 
     h1, h2 = register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)
     try:
-        with sdpa_kernel([SDPBackend.MATH]), torch.backends.cudnn.flags(enabled=False), mode:
+        with sdpa_kernel([SDPBackend.MATH]), torch.backends.cudnn.flags(enabled=False), hardware.pinned_settings(), \
+                mode:
             yield mode
     finally:
         h1.remove()

@@ -8,6 +8,7 @@ Variants are applied by re-running the command in a child process (``--variant N
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -220,7 +221,29 @@ def compiled_path(numel: int, device, min_numel_variable: str, default_min_numel
     variable; ``default_min_numel`` if unset) elements."""
     if getattr(device, "type", device if isinstance(device, str) else "").split(":")[0] != "cpu":
         return False
-    mode = os.environ.get("VERITRAIN_COMPILE", "auto")
+    env = _pinned if _pinned is not None else os.environ
+    mode = env.get("VERITRAIN_COMPILE", "auto")
     if mode in ("0", "1"):
         return mode == "1"
-    return numel >= int(os.environ.get(min_numel_variable, default_min_numel))
+    return numel >= int(env.get(min_numel_variable, default_min_numel))
+
+
+_pinned: dict | None = None  # the VERITRAIN_* settings while steps run (pinned_settings)
+_pins = 0
+
+
+@contextlib.contextmanager
+def pinned_settings():
+    """Read the ``VERITRAIN_*`` variables once for a step: ``compiled_path`` asks several times per op,
+    and reading the environment was a few percent of a small model's verified step (bench/RESULTS.md). A
+    setting changed while a step runs takes effect at the next step."""
+    global _pinned, _pins
+    if _pins == 0:
+        _pinned = {k: v for k, v in os.environ.items() if k.startswith("VERITRAIN_")}
+    _pins += 1
+    try:
+        yield
+    finally:
+        _pins -= 1
+        if _pins == 0:
+            _pinned = None

@@ -24,7 +24,8 @@ The step is the Trainer's: ``trainer.training_step`` (its forward, loss and back
 learning-rate schedule the Trainer creates for ``args.max_steps``. What changes is the data order: batches
 come from a step-indexed loader (veritrain.data.StepLoader, seeded by ``args.seed``) with the Trainer's
 collator and batch size, so that an auditor can replay any interval; gradient accumulation, several
-devices are refused; the fused AdamW the Trainer picks runs as its single-tensor implementation (veritrain runs one optimizer step per batch, single-process).
+devices are refused; the fused AdamW the Trainer picks runs as its foreach implementation (veritrain runs one
+optimizer step per batch, single-process).
 Built inside ``veritrain train``, the model's initialisation draws from veritrain's generator, so an
 auditor on other hardware builds the same weights.
 """
@@ -118,7 +119,7 @@ def _parts(trainer, seed):
         raise TaskError("veritrain.hf.task: the Trainer has no train_dataset")
     trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
     # the Trainer's default AdamW is the fused kernel, which differs by device: before its first step the
-    # same optimizer can run its single-tensor implementation instead (same update rule)
+    # same optimizer can run its foreach implementation instead (same update rule; task.normalize_optimizer)
     for group in trainer.optimizer.param_groups:
         if group.get("fused"):
             group["fused"] = False

@@ -206,18 +206,23 @@ def build(ref: str, config: dict) -> Task:
 
 
 def normalize_optimizer(optimizer):
-    """Pin the optimizer to its single-tensor implementation: foreach and fused kernels are chosen by
-    device, so a GPU trainer and a CPU auditor would otherwise run different ops."""
+    """Pin the optimizer to its foreach implementation, on every device: torch picks foreach, fused or
+    single-tensor kernels by device when left to choose, so a GPU trainer and a CPU auditor would otherwise
+    run different ops. Foreach rather than single-tensor because the engine then rounds and scans each
+    update formula once for all parameters rather than once per parameter (a small model's optimizer step
+    was most of its ops: bench/RESULTS.md); the results are the same bits. Optimizers without a foreach
+    implementation keep theirs; fused ones are refused (their kernels differ by device)."""
     for group in optimizer.param_groups:
         if group.get("fused"):
             raise TaskError(f"{type(optimizer).__name__}(fused=True) is not supported: the fused kernel differs "
                             f"by device; construct the optimizer without fused=True")
-        for key in ("foreach", "fused", "capturable"):
-            if key in group:
-                group[key] = False if key != "fused" else None
-    for key in ("foreach", "fused", "capturable"):
-        if key in optimizer.defaults:
-            optimizer.defaults[key] = False if key != "fused" else None
+    for settings in (*optimizer.param_groups, optimizer.defaults):
+        if "foreach" in settings:
+            settings["foreach"] = True
+        if "capturable" in settings:
+            settings["capturable"] = False
+        if "fused" in settings:
+            settings["fused"] = None
 
 
 def parse_overrides(pairs: list[str], defaults: dict) -> dict:

@@ -189,15 +189,18 @@ _LIE = {"on": False}
 
 @contextlib.contextmanager
 def doubled_step_size():
-    """While on, step LR_STEP's first AdamW update (aten.addcdiv_) runs with twice its step size: the
-    trainer's own code, so its log, checkpoints and prover's replays are consistent with it."""
+    """While on, step LR_STEP's AdamW update (aten._foreach_addcdiv_, one op for every parameter) runs with
+    twice the first parameter's step size: the trainer's own code, so its log, checkpoints and prover's
+    replays are consistent with it."""
     orig = VerifiedMode.__torch_dispatch__
 
     def dispatch(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.step == LR_STEP and func is torch.ops.aten.addcdiv_.default and not getattr(self, "_lied", False):
+        if self.step == LR_STEP and func is torch.ops.aten._foreach_addcdiv_.ScalarList \
+                and not getattr(self, "_lied", False):
             self._lied = True
-            kwargs = {**kwargs, "value": 2 * kwargs["value"]}
+            args = list(args)
+            args[3] = [2 * args[3][0], *args[3][1:]]  # the step sizes, one per parameter
         return orig(self, func, types, args, kwargs)
 
     VerifiedMode.__torch_dispatch__ = dispatch
@@ -218,7 +221,8 @@ class StepSizeProver(LocalProver):
 
 
 def test_9_the_referee_uses_its_own_non_tensor_arguments(tmp_path):
-    """#9: the trainer changed AdamW's step size in one addcdiv_ (its `value`); the prover's payload carries
+    """#9: the trainer changed one of AdamW's step sizes in its update (a `scalars` entry of
+    _foreach_addcdiv_); the prover's payload carries
     that value. The referee must recompute with the argument of its own replay, not the prover's."""
     run = tmp_path / "run"
     with doubled_step_size():
@@ -228,7 +232,7 @@ def test_9_the_referee_uses_its_own_non_tensor_arguments(tmp_path):
     v = Challenger(StepSizeProver(str(run)), audit_state).play()
     assert v["verdict"] == "trainer_wrong", v
     assert v["interval"] == LR_STEP // 2 and v["step"] == LR_STEP, v
-    assert v["operator"] == "aten.addcdiv_.default" and v["module"] == "optimizer", v
+    assert v["operator"] == "aten._foreach_addcdiv_.ScalarList" and v["module"] == "optimizer", v
     assert v["referee_ops"] == 1, v
     assert any("non-tensor arguments" in r for r in v["reasons"]), v
 
@@ -248,7 +252,7 @@ def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_pat
     def record(self, slot, c):
         e = orig(self, slot, c)
         if self.step == STEER_STEP and not steered and isinstance(slot, _EagerSlot) and slot.y64.numel() >= 64 \
-                and str(slot.analysis.call.func) == "aten.addcdiv.default":  # AdamW's update, into the state
+                and str(slot.analysis.call.func) == "aten._foreach_addcdiv.ScalarList":  # AdamW's update
             flat = slot.y64.reshape(-1)
             y32 = slot.y32.view(-1)
             taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
@@ -277,7 +281,7 @@ def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_pat
     p = cli("dispute", run, tmp_path / "audit", "--json")
     v = json.loads(p.stdout)
     assert p.returncode == 1 and v["verdict"] == "trainer_wrong", (v, p.stderr)
-    assert v["step"] == STEER_STEP and v["operator"] == "aten.addcdiv_.default", v
+    assert v["step"] == STEER_STEP and v["operator"] == "aten._foreach_addcdiv_.ScalarList", v
     assert v["operator_index"] == steered["op_index"] and v["referee_ops"] == 1, v
     assert "suspicious" in v["ruling"] and str(steered["position"]) in v["ruling"], v
 

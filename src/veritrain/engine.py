@@ -465,7 +465,7 @@ class _SumSlot(_FusedSlot):
         return y, s
 
 
-_FUSED_SUMS = {aten.sum.dim_IntList, aten.mean.dim}
+_FUSED_SUMS = {aten.sum.dim_IntList, aten.mean.dim}  # computed by FusedSums where it can
 
 
 def _each(**names):
@@ -482,7 +482,7 @@ def _each(**names):
 
 # foreach ops (the optimizers' updates, task.normalize_optimizer) whose result for each tensor is a single-tensor
 # op's, with the same error scale (rules.py: |self| + |result|, or |result|): that op's fused kernel computes
-# a large tensor's (_try_fused_foreach). tests/test_engine.py holds the two to the same bits and log.
+# a large tensor's (_try_fused_foreach). tests/test_fused_kernels.py holds the two to the same bits and log.
 _FOREACH_AS_SINGLE = {
     aten._foreach_add.List: (aten.add.Tensor, _each(self="self", other="other", alpha="alpha")),
     aten._foreach_sub.List: (aten.sub.Tensor, _each(self="self", other="other", alpha="alpha")),
@@ -499,7 +499,7 @@ _FOREACH_AS_SINGLE = {
     aten._foreach_div.Scalar: (aten.div.Scalar, _each(self="self", other="scalar")),
     aten._foreach_div.ScalarList: (aten.div.Scalar, _each(self="self", other="scalars")),
 }
-_JOINT_MAX_NUMEL = 1 << 16  # outputs scanned together (_scan_jointly): smaller ones, this many values a scan  # computed by FusedSums where it can
+_JOINT_MAX_NUMEL = 1 << 16  # outputs scanned together (_scan_jointly): smaller ones, this many values a scan
 
 
 class VerifiedMode(TorchDispatchMode):

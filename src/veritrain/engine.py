@@ -712,7 +712,7 @@ class VerifiedMode(TorchDispatchMode):
             done = self._try_fused(func, rule, info, leaves, spec, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
-        if fusable and rule.kind == rules.APPROX and func.name().startswith("aten::_foreach_"):
+        if fusable and rule.kind == rules.APPROX and (info.functional or func) in _FOREACH_AS_SINGLE:
             done = self._try_fused_foreach(func, rule, info, leaves, spec, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
@@ -1022,17 +1022,21 @@ class VerifiedMode(TorchDispatchMode):
         is elementwise, so each position gets the answer its own output's scan gives; but a scan per output
         costs more to call than to run. Outputs that a fused epilogue scans, or whose scale covers some rows
         only, keep their own scan."""
+        if len(slots) < 2:
+            return
         group = [s for s in slots if type(s) is _EagerSlot and s.y64.device.type == "cpu"
                  and s.y64.numel() < _JOINT_MAX_NUMEL and not FusedKernels.enabled_for(s.y64.numel(), "cpu")
                  and not isinstance(s._scale_obj(), rules.RowSubset)]
         if len(group) < 2:
             return
         c = self.config.thresholds[group[0].op_class]  # one rule, so one class, for all of an op's outputs
-        while group:
-            chunk, total = [], 0
-            while group and total < _JOINT_MAX_NUMEL:  # copies of a few hundred KB at most
-                chunk.append(group.pop(0))
-                total += chunk[-1].y64.numel()
+        start = 0
+        while start < len(group):
+            end, total = start, 0
+            while end < len(group) and total < _JOINT_MAX_NUMEL:  # copies of a few hundred KB at most
+                total += group[end].y64.numel()
+                end += 1
+            chunk, start = group[start:end], end
             bounds = np.cumsum([0] + [s.y64.numel() for s in chunk])
             y = torch.cat([s.y64.reshape(-1) for s in chunk])
             scale = torch.cat([s.scale().reshape(-1) for s in chunk])

@@ -144,3 +144,38 @@ def test_a_foreach_updates_large_tensors_by_the_single_ops_kernel_with_the_eager
     with StepLogReader(str(tmp_path / "auto.vtlog"), expect_step=0) as r:
         entries = [o.n_entries for o in r.next_op().outputs]
     assert entries[0] > 0 and entries[1] + entries[3] > 0, entries  # a large output's and a small one's
+
+
+def test_every_generated_kernel_has_its_own_source_for_torch_compile(tmp_path, monkeypatch):
+    """torch.compile before 2.13 wrapped each function without a source file in one shared wrapper, so every
+    kernel drew on one recompile budget: past the eighth, all fell back to eager ops (torch 2.11, seen on the
+    GPU machine's CPU). Every function the engine compiles has its generated source registered."""
+    import inspect
+
+    for table in ("_FUSED_CACHE", "_EPILOGUE_CACHE", "_SUMS_CACHE"):  # kernels built by earlier tests: built anew
+        monkeypatch.setattr(engine, table, {})
+    monkeypatch.setattr(fused, "REDUCTIONS", {})
+    monkeypatch.setattr(fused, "SQUARES", {})
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
+    _run(tmp_path, True, monkeypatch)
+    with step_context(WIDE, 0):  # a fused reduction kernel too (the error scale of a large sum)
+        torch.randn(300, 300, generator=torch.Generator().manual_seed(1)).sum(dim=1)
+    assert len(compiled) >= 3, compiled
+    for fn in compiled:
+        name = inspect.getsourcefile(fn)
+        assert name and name.startswith("<veritrain"), (fn, name)
+        assert f"def {fn.__name__}(" in inspect.getsource(fn)
+    names = [inspect.getsourcefile(fn) for fn in compiled]
+    assert len(set(names)) == len(names), names  # one name, one source
+
+
+def test_two_generated_sources_under_one_name_keep_their_own_lines():
+    import inspect
+
+    a = fused.define("def kernel(x):\n    return x + 1\n", "<veritrain same name>", {})["kernel"]
+    b = fused.define("def kernel(x):\n    return x - 1\n", "<veritrain same name>", {})["kernel"]
+    assert "x + 1" in inspect.getsource(a) and "x - 1" in inspect.getsource(b)
+    again = fused.define("def kernel(x):\n    return x + 1\n", "<veritrain same name>", {})["kernel"]
+    assert inspect.getsourcefile(again) == inspect.getsourcefile(a)

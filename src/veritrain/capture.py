@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from . import decompositions, rules
-from .fused import FusedKernels, _round_to_grid
+from .fused import FusedKernels, _round_to_grid, define
 from .hardware import compiled_path
 from .logformat import OutputEntries
 from .rounding import candidate_mask
@@ -89,7 +89,7 @@ class Region:
     def program(self):
         if self._fn is None:
             env = dict(self._env)
-            exec(compile(self.source, f"<veritrain captured region {next(self._ids)}>", "exec"), env)
+            define(self.source, f"<veritrain captured region {next(self._ids)}>", env)
             self._fn = torch.compile(env["program"], dynamic=False, fullgraph=True)
         return self._fn
 

@@ -16,6 +16,7 @@ positions its log names. Anything the kernel cannot handle falls back to the eag
 from __future__ import annotations
 
 import itertools
+import linecache
 import math
 import os
 import threading
@@ -45,6 +46,24 @@ def isolate_compile_cache() -> str:
 
 
 isolate_compile_cache()
+
+
+_DEFINED = itertools.count()  # tells apart generated sources that got the same name
+
+
+def define(source: str, filename: str, env: dict) -> dict:
+    """Run generated ``source`` in ``env`` (returned), its text registered under ``filename`` in linecache.
+
+    Registered, a generated function has a source file as far as ``inspect`` can tell: tracebacks show its
+    lines, and torch.compile before 2.13 compiles it as itself. Those versions wrapped every function
+    without a source file in one shared wrapper, so all our kernels shared one recompile budget (8) and,
+    past the eighth, fell back to eager ops (seen with torch 2.11 on the GPU machine's CPU)."""
+    lines = source.splitlines(True)
+    if linecache.cache.get(filename, (None, None, lines))[2] != lines:  # another source under this name
+        filename = f"{filename} #{next(_DEFINED)}"
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    exec(compile(source, filename, "exec"), env)
+    return env
 
 
 def compile_kernel(fn, fullgraph: bool = True):
@@ -209,7 +228,7 @@ class FusedKernels:
             lines.append("    return y32")
         env = {"torch": torch, "FUNC": func, "ROUND": _round_to_grid, "CAND": _candidate_mask, "SCALE": scale_fn,
                "KW": plan.kw, **{f"C{i}": v for i, v in enumerate(consts)}}
-        exec(compile("\n".join(lines), f"<veritrain fused kernel {next(self._ids)}: {func}>", "exec"), env)
+        define("\n".join(lines), f"<veritrain fused kernel {next(self._ids)}: {func}>", env)
         return compile_kernel(env["kernel"]), env["compute"]
 
     @staticmethod
@@ -275,7 +294,7 @@ class Epilogues:
             f"    return y32, CAND(y, s, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})",
         ])
         env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
-        exec(compile(src, f"<veritrain epilogue {next(self._ids)}>", "exec"), env)
+        define(src, f"<veritrain epilogue {next(self._ids)}>", env)
         return compile_kernel(env["epilogue"])
 
 
@@ -335,7 +354,7 @@ def _run_pattern(table: dict, key: tuple, name: str, body: str, view: torch.Tens
         if reduced:
             env = {"_abs_sum_and_min": _abs_sum_and_min}
             src = f"def kernel(x):\n    return {body.format(reduced=reduced)}\n"
-            exec(compile(src, f"<veritrain {name} {ndim}-d over {reduced}>", "exec"), env)
+            define(src, f"<veritrain {name} {ndim}-d over {reduced}>", env)
             fn = compile_kernel(env["kernel"])
         table[key] = fn
     if fn is False:
@@ -472,8 +491,7 @@ class FusedSums:
         else:
             lines.append("    return y32")
         env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
-        exec(compile("\n".join(lines), f"<veritrain fused sum {next(self._ids)}: {ndim}-d over {reduced}>", "exec"),
-             env)
+        define("\n".join(lines), f"<veritrain fused sum {next(self._ids)}: {ndim}-d over {reduced}>", env)
         return compile_kernel(env["kernel"])
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import audit_json
-from veritrain.engine import EngineConfig, VerifiedMode, _EagerSlot, step_context
+from veritrain.engine import EngineConfig, VerifiedMode, _EagerSlot, _FusedSlot, step_context
 from veritrain.logformat import StepLogReader, StepLogWriter, read_records, write_records
 from veritrain.rounding import UNIT_ROUNDOFF, Grid
 from veritrain.runner import TrainOptions, train
@@ -208,3 +208,65 @@ def test_a_rounding_flipped_beyond_the_error_bound_is_rejected(tmp_path, monkeyp
     r = audit_json(run, "combo")
     assert not r["accepted"] and r["suspicious"] >= 1
     assert r["suspicious_details"][0]["kind"] == "direction"
+
+
+@pytest.mark.parametrize("forgery", ["value", "direction"])
+def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeypatch, forgery):
+    """The optimizer's foreach update of a large parameter comes from the single op's fused kernel
+    (engine._try_fused_foreach), whose candidates the kernel found: a trainer that adds entries there
+    (a value entry at the other grid neighbour where none is needed, or a rounding flipped more than 1.1 tau
+    from a midpoint: elementwise taus are small, so few results lie within 2 tau) and trains on them is
+    rejected by an auditor on another variant."""
+    monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "256")  # digits-cnn's larger parameters take the path
+    orig_record, orig_foreach = VerifiedMode._record, VerifiedMode._try_fused_foreach
+    forged = []
+
+    def foreach(self, *a, **kw):
+        self._forging = True
+        try:
+            return orig_foreach(self, *a, **kw)
+        finally:
+            self._forging = False
+
+    def record(self, slot, c):
+        e = orig_record(self, slot, c)
+        if self.step < 1 or not getattr(self, "_forging", False) or type(slot) is not _FusedSlot:
+            return e
+        n = int(np.prod(slot.shape))
+        every = torch.arange(n)
+        y, tau = slot.values_at(every), c * UNIT_ROUNDOFF * slot.scale_at(every)
+        ok = torch.isfinite(y) & (y != 0) & (tau < GRID.spacing_at(y) / 8)
+        if forgery == "direction":
+            dist = GRID.midpoint_distance(y)
+            ok &= (dist > 1.1 * tau) & (dist < 1000 * tau)
+        taken = torch.zeros(n, dtype=torch.bool)
+        for p in (e.dir_pos, e.val_pos):
+            taken[torch.from_numpy(np.array(p, dtype=np.int64))] = True
+        pos = (ok & ~taken).nonzero().flatten()[:20]
+        if not len(pos):
+            return e
+        y32 = slot.y32.view(-1)
+        if forgery == "value":  # the grid point one step away from the honest rounding, in magnitude
+            y32[pos] = (GRID.round(y[pos]).view(torch.int32) + 1).view(torch.float32)
+            allpos = np.concatenate([e.val_pos, pos.numpy()])
+            allval = np.concatenate([e.val_bits, y32[pos].view(torch.int32).numpy().view(np.uint32)])
+            order = np.argsort(allpos)
+            e.val_pos, e.val_bits = allpos[order], allval[order]
+        else:
+            away = ~(GRID.round(y[pos]).double().abs() > y[pos].abs())  # the other neighbour
+            y32[pos] = GRID.apply_direction(y[pos], away)
+            allpos = np.concatenate([e.dir_pos, pos.numpy()])
+            order = np.argsort(allpos)
+            e.dir_pos, e.dir_bits = allpos[order], np.concatenate([e.dir_bits, away.numpy()])[order]
+        forged.append(len(pos))
+        return e
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(VerifiedMode, "_record", record)
+        m.setattr(VerifiedMode, "_try_fused_foreach", foreach)
+        train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
+    assert sum(forged) > 0, "no fused foreach output to forge in"
+    r = audit_json(run, "combo")
+    assert not r["accepted"], f"forged {forgery} entries in fused foreach outputs were accepted"
+    assert r["suspicious"] >= 1 and r["suspicious_details"][0]["kind"] == forgery, r["suspicious_details"][:2]

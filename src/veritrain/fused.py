@@ -387,16 +387,29 @@ def sum_of_squares(x: torch.Tensor, dims) -> torch.Tensor:
 
 
 def vector_norm(x: torch.Tensor, dims) -> torch.Tensor:
-    """||x|| over ``dims``, keepdim (the compiled sum of squares where sum_of_squares takes it, else ATen's)."""
+    """||x|| over ``dims``, keepdim: the compiled sum of squares where sum_of_squares takes it; ATen's norm
+    over the innermost dimension alone (memory speed there); else the eager sum of squares (ATen's norm over
+    outer dimensions ran up to 30x slower: 6.9 ms against 0.22 ms over the rows of 8 x 64 x 768 here)."""
     out = _compiled_squares(x, dims)
-    return torch.linalg.vector_norm(x, dim=dims, keepdim=True) if out is None else out.sqrt()
+    if out is not None:
+        return out.sqrt()
+    if not x.dim() or {d % x.dim() for d in dims} == {x.dim() - 1}:
+        return torch.linalg.vector_norm(x, dim=dims, keepdim=True)
+    return (x * x).sum(dims, keepdim=True).sqrt_()
+
+
+# Below this many elements the eager sum of squares was faster than the compiled one on this project's CPUs
+# (docs/SPEED.md: a compiled call costs ~0.1 ms; at 2**21 float64 values the two were even)
+SQUARES_MIN_NUMEL = 1 << 21
 
 
 def _compiled_squares(x: torch.Tensor, dims):
     """The compiled sum of squares, or None where the eager ops are as fast or no kernel is available: x
-    small, not a permutation of a contiguous tensor (a transposed operand is one), or reduced over its
-    innermost dimension only (ATen's sums and norms run at memory speed there)."""
-    if not x.dim() or not x.numel() or not FusedKernels.enabled_for(x.numel(), x.device):
+    below SQUARES_MIN_NUMEL elements (VERITRAIN_COMPILE_MIN_NUMEL where set), not a permutation of a
+    contiguous tensor (a transposed operand is one), or reduced over its innermost dimension only (ATen's
+    sums and norms run at memory speed there)."""
+    if not x.dim() or not x.numel() or not compiled_path(x.numel(), x.device, "VERITRAIN_COMPILE_MIN_NUMEL",
+                                                         SQUARES_MIN_NUMEL):
         return None
     dims = sorted({d % x.dim() for d in dims})
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))

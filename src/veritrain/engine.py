@@ -1077,12 +1077,13 @@ class VerifiedMode(TorchDispatchMode):
             pos = torch.from_numpy(entries.dir_pos).to(dev)
             yc = slot.values_at(pos)
             away = torch.from_numpy(entries.dir_bits.astype(bool)).to(dev)
-            forced = grid.apply_direction(yc, away)
+            cell = grid.cell(yc)  # once for both of its uses below
+            forced = grid.apply_direction(yc, away, cell)
             natural = grid.round(yc)
             contradicts = forced.view(torch.int32) != natural.view(torch.int32)
             self.stats.corrections[phase] += int(contradicts.sum())
             tau = c * UNIT_ROUNDOFF * slot.scale_at(pos)
-            dist = grid.midpoint_distance(yc)
+            dist = grid.midpoint_distance(yc, cell)
             # needed only within slack * tau of a midpoint; NaN or infinite results never need one. An
             # entry that *overrides* our rounding must be one an honest trainer could have made: its result
             # lies within tau of ours (the error model), so ours is within tau of the midpoint it crossed. A

@@ -114,15 +114,16 @@ class Grid:
         away = rounded > ay
         return is_value, is_direction, away
 
-    def apply_direction(self, y: torch.Tensor, away: torch.Tensor) -> torch.Tensor:
-        """Round float64 ``y`` to the lower or upper (in magnitude) neighbour of its cell."""
-        lower, upper, _ = self.cell(y)
+    def apply_direction(self, y: torch.Tensor, away: torch.Tensor, cell=None) -> torch.Tensor:
+        """Round float64 ``y`` to the lower or upper (in magnitude) neighbour of its cell (``cell``: this
+        y's ``self.cell(y)``, where the caller has it)."""
+        lower, upper, _ = self.cell(y) if cell is None else cell
         mag = torch.where(away, upper, lower)
         return torch.copysign(mag, y).to(torch.float32)
 
-    def midpoint_distance(self, y: torch.Tensor) -> torch.Tensor:
+    def midpoint_distance(self, y: torch.Tensor, cell=None) -> torch.Tensor:
         """|y - midpoint of its cell|, exact, float64."""
-        lower, _, spacing = self.cell(y)
+        lower, _, spacing = self.cell(y) if cell is None else cell
         return (y.abs() - (lower + spacing / 2)).abs()
 
     def spacing_at(self, y: torch.Tensor) -> torch.Tensor:

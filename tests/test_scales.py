@@ -198,12 +198,14 @@ def test_a_sum_of_float64_values_off_the_float32_grid_is_never_certified(tmp_pat
 @pytest.mark.parametrize("shape,transpose", [((768, 3072), False), ((3072, 512), True), ((96, 64, 64), False),
                                              ((96, 64, 64), True), ((16, 64, 32, 32), False), ((4, 1, 300, 70), True),
                                              ((70000, 3), True)])
-def test_norms_and_energies_follow_the_definition(shape, transpose, monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_norms_and_energies_follow_the_definition(shape, transpose, compiled, monkeypatch):
     """A matrix product's row and column norms (NormFactor.full) and a convolution's energies and channel
     norms (rules._convolution, _convolution_backward) are sums of squares over some dimensions: the compiled
     sum for reductions over outer dimensions, in any layout a transposed operand has, gives the eager ops'
     values up to summation order, in their shape."""
-    monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "0")  # the compiled sums at every size (by default from 2**21)
+    # the compiled sums at every size (by default from 2**21 elements), or the eager ops at every size
+    monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "0" if compiled else str(1 << 62))
     torch.manual_seed(2)
     x = torch.randn(shape, dtype=torch.float64)
     if transpose:
@@ -218,7 +220,7 @@ def test_norms_and_energies_follow_the_definition(shape, transpose, monkeypatch)
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=1e-13, atol=0)
         assert torch.allclose(sum_of_squares(x, dims), (x * x).sum(dims, keepdim=True), rtol=1e-13, atol=0)
-    if not transpose:  # a reduction over the outermost dimension took the compiled kernel
+    if compiled and not transpose:  # a reduction over the outermost dimension took the compiled kernel
         sizes, reduced = merged_view(x.shape, [0])
         assert callable(SQUARES.get((len(sizes), reduced)))
 

@@ -15,7 +15,8 @@
 # so a run cut short still returns what it measured. OUT_DIR gets at most 8 files (what the device tool
 # brings back): log.txt is written by the caller; env.txt, summary.md (the figures bench/RESULTS.md
 # quotes), audits.tar.gz (every train/audit JSON and error output), digits-gpu-run.tar.gz (the GPU-trained
-# digits-cnn run, to audit on another machine), pytest.txt and bench.md (bench_engine.py on the GPU).
+# digits-cnn run, to audit on another machine), pytest.txt, bench-resnet18.md and bench-gpt2-117m.md
+# (bench_engine.py on the GPU).
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [SHARED_DIR] [GPU]}
 shared=${2:-../shared}
@@ -23,7 +24,17 @@ gpu=${3:-cuda}
 py=${PYTHON:-python3}
 work=$(mktemp -d)  # runs and per-command outputs; only packed files go to OUT_DIR
 mkdir -p "$out"
-vt() { timeout "$1" "$py" -m veritrain.cli "${@:2}"; }
+# vt LIMIT DEVICE COMMAND ARGS: the CPU side runs the eager engine (VERITRAIN_COMPILE=0: the same bits and log
+# as the compiled paths, tests/test_compiled_path.py), since compiling its kernels cold on the GPU machine's
+# CPU took most of its minute per audit in session 15
+vt() {
+  local limit=$1 dev=$2 cmd=$3
+  if [ "$dev" = cpu ]; then
+    VERITRAIN_COMPILE=0 timeout "$limit" "$py" -m veritrain.cli "$cmd" --device cpu "${@:4}"
+  else
+    timeout "$limit" "$py" -m veritrain.cli "$cmd" --device "$dev" "${@:4}"
+  fi
+}
 t0=$(date +%s)
 stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
 
@@ -78,10 +89,10 @@ workload() {
     other=cpu; dev=$gpu; [ $side = cpu ] && other=gpu dev=cpu
     odev=$gpu; [ $other = cpu ] && odev=cpu
     stamp "$w: trained on $dev, audited on $odev"
-    vt 150 train "${args[@]}" --steps $steps --checkpoint-every 2 --quiet --json --device "$dev" \
+    vt 150 "$dev" train "${args[@]}" --steps $steps --checkpoint-every 2 --quiet --json \
       --out "$work/runs/$w-$side" > "$work/$w-$side-train.json" 2> "$work/$w-$side-train.err" \
       || tail -3 "$work/$w-$side-train.err"
-    vt 150 audit "$work/runs/$w-$side" --json --quiet --device "$odev" --out "$work/runs/$w-$side-audit" \
+    vt 150 "$odev" audit "$work/runs/$w-$side" --json --quiet --out "$work/runs/$w-$side-audit" \
       > "$work/$w-$side-audit.json" 2> "$work/$w-$side-audit.err" || tail -3 "$work/$w-$side-audit.err"
     summarise
   done
@@ -92,21 +103,24 @@ workload digits 10
 (cd "$work/runs" && tar czf "$out/digits-gpu-run.tar.gz" digits-gpu 2>/dev/null)
 for side in gpu cpu; do
   dev=$gpu; [ $side = cpu ] && dev=cpu
-  vt 100 train digits-cnn --steps 10 --checkpoint-every 10 --quiet --json --mode fp32 --device "$dev" \
+  vt 100 "$dev" train digits-cnn --steps 10 --checkpoint-every 10 --quiet --json --mode fp32 \
     --out "$work/runs/digits-$side-fp32" > "$work/digits-$side-fp32.json" 2>/dev/null
 done
 summarise
-workload gpt2 6
-
-stamp "bench/bench_engine.py on $gpu: GPT-2 117M, plain float32 / float64, trainer, auditor"
-timeout 200 "$py" bench/bench_engine.py --device "$gpu" --workloads gpt2-117m --steps 2 --out "$out/bench.md" \
-  --shared "$shared/data" 2>&1 | tail -20
-
-workload resnet 4
+# GPU step times against the same GPU's plain float32 and float64 steps; GPT-2 117M's were measured in
+# session 15 (bench/RESULTS.md), ResNet-18's not yet: it first, each in a file of its own (written at the end)
+for w in resnet18 gpt2-117m; do
+  stamp "bench/bench_engine.py on $gpu: $w, plain float32 / float64, trainer, auditor"
+  timeout 150 "$py" bench/bench_engine.py --device "$gpu" --workloads $w --steps 2 --out "$out/bench-$w.md" \
+    --shared "$shared/data" 2>&1 | tail -12
+done
 
 stamp "the CUDA tests of tests/test_device.py (skipped where no GPU is visible)"
 timeout 200 "$py" -m pytest -n 0 -q -x -p no:cacheprovider tests/test_device.py -k cuda 2>&1 | tail -25 \
   | tee "$out/pytest.txt"
+
+workload gpt2 6
+workload resnet 4
 
 rm -rf "$work"
 stamp done

@@ -23,6 +23,29 @@ def largest_grid_point_at_most(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t >= 0, lower, -upper).to(torch.float32)
 
 
+def free_positions(chosen: torch.Tensor, e, limit: int) -> torch.Tensor:
+    """The first ``limit`` positions where ``chosen`` holds and the honest log has no entry yet."""
+    taken = torch.zeros_like(chosen)
+    for p in (e.dir_pos, e.val_pos):
+        taken[torch.from_numpy(np.array(p, dtype=np.int64))] = True
+    return (chosen & ~taken).nonzero().flatten()[:limit]
+
+
+def add_value_entries(e, pos: torch.Tensor, values: torch.Tensor):
+    """Value entries (float32 ``values``) at ``pos``, merged into ``e`` in position order."""
+    allpos = np.concatenate([e.val_pos, pos.numpy()])
+    allval = np.concatenate([e.val_bits, values.view(torch.int32).numpy().view(np.uint32)])
+    order = np.argsort(allpos)
+    e.val_pos, e.val_bits = allpos[order], allval[order]
+
+
+def add_direction_entries(e, pos: torch.Tensor, away: torch.Tensor):
+    """Direction entries at ``pos``, merged into ``e`` in position order."""
+    allpos = np.concatenate([e.dir_pos, pos.numpy()])
+    order = np.argsort(allpos)
+    e.dir_pos, e.dir_bits = allpos[order], np.concatenate([e.dir_bits, away.numpy()])[order]
+
+
 def dishonest_record(pushed: list, natural_only: bool):
     """VerifiedMode._record of a trainer that adds value entries at positions that need none.
 
@@ -46,18 +69,12 @@ def dishonest_record(pushed: list, natural_only: bool):
         else:
             v = largest_grid_point_at_most(y + spacing / 2 + self.config.slack * tau)
             chosen = torch.isfinite(y) & (tau < spacing / 8) & (v.view(torch.int32) != natural.view(torch.int32))
-        taken = torch.zeros_like(chosen)
-        for p in (e.dir_pos, e.val_pos):
-            taken[torch.from_numpy(np.asarray(p, dtype=np.int64))] = True
-        pos = (chosen & ~taken).nonzero().flatten()[:50]
+        pos = free_positions(chosen, e, 50)
         if not len(pos):
             return e
         y32 = slot.y32.view(-1)
         y32[pos] = v[pos]
-        allpos = np.concatenate([e.val_pos, pos.numpy()])
-        allval = np.concatenate([e.val_bits, y32[pos].view(torch.int32).numpy().view(np.uint32)])
-        order = np.argsort(allpos)
-        e.val_pos, e.val_bits = allpos[order], allval[order]
+        add_value_entries(e, pos, y32[pos])
         pushed.append(len(pos))
         return e
 
@@ -185,18 +202,13 @@ def test_a_rounding_flipped_beyond_the_error_bound_is_rejected(tmp_path, monkeyp
         tau = c * UNIT_ROUNDOFF * slot.scale().reshape(-1)
         dist = GRID.midpoint_distance(y)
         chosen = torch.isfinite(y) & (dist > 1.1 * tau) & (dist < 1.9 * tau) & (tau < GRID.spacing_at(y) / 8)
-        taken = torch.zeros_like(chosen)
-        for p in (e.dir_pos, e.val_pos):
-            taken[torch.from_numpy(np.asarray(p, dtype=np.int64))] = True
-        pos = (chosen & ~taken).nonzero().flatten()[:20]
+        pos = free_positions(chosen, e, 20)
         if not len(pos):
             return e
         y32 = slot.y32.view(-1)
         away = ~(GRID.round(y[pos]).double().abs() > y[pos].abs())  # the other neighbour
         y32[pos] = GRID.apply_direction(y[pos], away)
-        allpos = np.concatenate([e.dir_pos, pos.numpy()])
-        order = np.argsort(allpos)
-        e.dir_pos, e.dir_bits = allpos[order], np.concatenate([e.dir_bits, away.numpy()])[order]
+        add_direction_entries(e, pos, away)
         flipped.append(len(pos))
         return e
 
@@ -239,25 +251,17 @@ def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeyp
         if forgery == "direction":
             dist = GRID.midpoint_distance(y)
             ok &= (dist > 1.1 * tau) & (dist < 1000 * tau)
-        taken = torch.zeros(n, dtype=torch.bool)
-        for p in (e.dir_pos, e.val_pos):
-            taken[torch.from_numpy(np.array(p, dtype=np.int64))] = True
-        pos = (ok & ~taken).nonzero().flatten()[:20]
+        pos = free_positions(ok, e, 20)
         if not len(pos):
             return e
         y32 = slot.y32.view(-1)
         if forgery == "value":  # the grid point one step away from the honest rounding, in magnitude
             y32[pos] = (GRID.round(y[pos]).view(torch.int32) + 1).view(torch.float32)
-            allpos = np.concatenate([e.val_pos, pos.numpy()])
-            allval = np.concatenate([e.val_bits, y32[pos].view(torch.int32).numpy().view(np.uint32)])
-            order = np.argsort(allpos)
-            e.val_pos, e.val_bits = allpos[order], allval[order]
+            add_value_entries(e, pos, y32[pos])
         else:
             away = ~(GRID.round(y[pos]).double().abs() > y[pos].abs())  # the other neighbour
             y32[pos] = GRID.apply_direction(y[pos], away)
-            allpos = np.concatenate([e.dir_pos, pos.numpy()])
-            order = np.argsort(allpos)
-            e.dir_pos, e.dir_bits = allpos[order], np.concatenate([e.dir_bits, away.numpy()])[order]
+            add_direction_entries(e, pos, away)
         forged.append(len(pos))
         return e
 

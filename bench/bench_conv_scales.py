@@ -1,6 +1,7 @@
 """The error scales of a convolution and its backward (rules.scale_for) at the default-size ResNet's
-shapes (batch 16, width 8), median microseconds per call, the figure docs/SPEED.md quotes for the sums of
-squares the scales are made of (fused.sum_of_squares, fused.vector_norm).
+shapes (batch 16, width 8), median microseconds per call; then the sums of squares those scales are made of
+(fused.sum_of_squares, fused.vector_norm) compiled and eager, at sizes around fused.SQUARES_MIN_NUMEL:
+the figures docs/SPEED.md quotes.
 
     python bench/bench_conv_scales.py [--reps 30]
 
@@ -12,7 +13,7 @@ import time
 
 import torch
 
-from veritrain import rules
+from veritrain import fused, rules
 
 aten = torch.ops.aten
 SHAPES = [(16, 8, 32, 32, 8, 1), (16, 16, 16, 16, 16, 1), (16, 32, 8, 8, 32, 1), (16, 64, 4, 4, 64, 1),
@@ -51,7 +52,26 @@ def main():
         totals[1] += tb
         print(f"| {n} x {c} x {h} x {w} | {s} | {tf:.0f} | {tb:.0f} |")
     print(f"| all five | | {totals[0]:.0f} | {totals[1]:.0f} |")
+    squares(reps)
     print(f"\n{torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+
+
+def squares(reps):
+    """One sum of squares over outer dimensions: the compiled kernel (VERITRAIN_COMPILE=1), the eager sum of
+    squares, and ATen's norm, median microseconds per call."""
+    import os
+
+    print("\n| tensor | over | compiled (us) | eager (x * x).sum (us) | ATen norm (us) |\n| --- | --- | --- | --- | --- |")
+    for shape, dims in [((16, 8, 32, 32), [1]), ((16, 16, 16, 16), [0, 2, 3]), ((8, 64, 768), [0]),
+                        ((512, 3072), [0]), ((64, 64, 32, 32), [0, 2, 3])]:
+        x = torch.randn(shape, dtype=torch.float64)
+        os.environ["VERITRAIN_COMPILE"] = "1"
+        compiled = median_us(lambda: fused.sum_of_squares(x, dims), reps)
+        os.environ.pop("VERITRAIN_COMPILE")
+        eager = median_us(lambda: (x * x).sum(dims, keepdim=True), reps)
+        norm = median_us(lambda: torch.linalg.vector_norm(x, dim=dims, keepdim=True), reps)
+        name = " x ".join(map(str, shape))
+        print(f"| {name} ({x.numel()} values) | {dims} | {compiled:.0f} | {eager:.0f} | {norm:.0f} |")
 
 
 if __name__ == "__main__":

@@ -389,7 +389,7 @@ def sum_of_squares(x: torch.Tensor, dims) -> torch.Tensor:
 def vector_norm(x: torch.Tensor, dims) -> torch.Tensor:
     """||x|| over ``dims``, keepdim: the compiled sum of squares where sum_of_squares takes it; ATen's norm
     over the innermost dimension alone (memory speed there); else the eager sum of squares (ATen's norm over
-    outer dimensions ran up to 30x slower: 6.9 ms against 0.22 ms over the rows of 8 x 64 x 768 here)."""
+    outer dimensions ran up to 30x slower here: python bench/bench_conv_scales.py)."""
     out = _compiled_squares(x, dims)
     if out is not None:
         return out.sqrt()
@@ -399,7 +399,8 @@ def vector_norm(x: torch.Tensor, dims) -> torch.Tensor:
 
 
 # Below this many elements the eager sum of squares was faster than the compiled one on this project's CPUs
-# (docs/SPEED.md: a compiled call costs ~0.1 ms; at 2**21 float64 values the two were even)
+# (python bench/bench_conv_scales.py: a compiled call costs ~0.1-0.2 ms; near 2**21 float64 values the two
+# were even)
 SQUARES_MIN_NUMEL = 1 << 21
 
 

@@ -36,6 +36,14 @@ WORKLOADS = {
 }
 
 
+# issue 12's targets (trainer, auditor) as multiples of plain float64 on this CPU; the log's: 1/1000 of dense
+TARGETS = {"gpt2-117m": (1.15, 1.1), "resnet18": (1.15, 1.1)}
+
+
+def seconds(t: float) -> str:
+    return f"{t:.1f} s" if t >= 1 else f"{t * 1e3:.1f} ms"  # a GPU's float64 step takes milliseconds
+
+
 def machine(device: str = "cpu") -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -67,12 +75,15 @@ def markdown(results: list, command: str, device: str = "cpu") -> str:
     for r in results:
         lines.append(
             f"| {r['description']} | {r['steps']} | {r['ratio']['fp32']:.2f}x | {r['ratio']['trainer']:.2f}x "
-            f"| {r['ratio']['auditor']:.2f}x | {r['median_s']['fp64']:.1f} s | {r['rounded']:.3g} "
+            f"| {r['ratio']['auditor']:.2f}x | {seconds(r['median_s']['fp64'])} | {r['rounded']:.3g} "
             f"| {r['entries']:.0f} | {r['log_bytes'] / 1e3:.1f} KB | {r['dense_bytes'] / 1e6:.1f} MB "
             f"| 1/{1 / r['log_fraction']:.0f} |")
-    lines += ["", "Targets: trainer <= 1.3x plain float64, auditor <= 1.3x, log <= 1/1000 of the dense encoding.", ""]
+    lines += ["", "Targets (issue 12, set for this project's 2-core CPU), as multiples of plain float64: " + "; ".join(
+        f"{w} trainer <= {t[0]}x, auditor <= {t[1]}x" for w, t in TARGETS.items())
+        + "; log <= 1/1000 of the dense encoding.", ""]
     for r in results:
-        misses = [f"{m} {r['ratio'][m]:.2f}x > 1.3x" for m in ("trainer", "auditor") if r["ratio"][m] > 1.3]
+        limits = dict(zip(("trainer", "auditor"), TARGETS[r["name"]]))
+        misses = [f"{m} {r['ratio'][m]:.2f}x > {limits[m]}x" for m in limits if r["ratio"][m] > limits[m]]
         if r["log_fraction"] > 1e-3:
             misses.append(f"log 1/{1 / r['log_fraction']:.0f} of dense > 1/1000")
         verdict = "all targets met" if not misses else "not met: " + "; ".join(misses)

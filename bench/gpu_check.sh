@@ -115,8 +115,9 @@ for w in resnet18 gpt2-117m; do
     --shared "$shared/data" 2>&1 | tail -12
 done
 
+# the GPU machine's Python has pytest without pytest-xdist: the repo's addopts (-n 2) would stop it
 stamp "the CUDA tests of tests/test_device.py (skipped where no GPU is visible)"
-timeout 200 "$py" -m pytest -n 0 -q -x -p no:cacheprovider tests/test_device.py -k cuda 2>&1 | tail -25 \
+timeout 200 "$py" -m pytest -q -x -p no:cacheprovider -o addopts="" tests/test_device.py -k cuda 2>&1 | tail -25 \
   | tee "$out/pytest.txt"
 
 workload gpt2 6

@@ -5,10 +5,13 @@ the auditor, against plain float64 and float32 steps measured in the same proces
     python bench/profile_engine.py                                # gpt2 2x128, resnet default, digits-cnn
     python bench/profile_engine.py --workloads digits --steps 3 --no-write
     python bench/profile_engine.py --workloads gpt2-117m,resnet18 --steps 2 --section "full size"
+    python bench/profile_engine.py --device cuda --workloads gpt2-117m --steps 2 --section "GPU"
 
 Each category's time is exclusive (a timer stack: time inside a nested category counts there, not in
 its parent). The engine's methods are wrapped for the instrumented runs only; the same steps also run
-without the wrappers, so the table gives the instrumentation's own cost (``instrumented / plain``). Writes
+without the wrappers, so the table gives the instrumentation's own cost (``instrumented / plain``). On a GPU
+(--device cuda) every timer boundary of the instrumented runs waits for the GPU, so a category holds its own
+kernels' time rather than the next wait's; that adds waits, which the instrumented / plain column shows. Writes
 the "Where the time goes" section of bench/RESULTS.md unless --no-write.
 """
 
@@ -73,12 +76,15 @@ def workloads(shared: str) -> dict:
 class Profile:
     """Exclusive time per category: a stack of open categories; entering one pauses its parent."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
+        self.sync = sync  # on a GPU: wait for queued kernels at each boundary
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.calls = dict.fromkeys(CATEGORIES, 0)
         self.stack: list[list] = []  # [category, started]
 
     def enter(self, cat):
+        if self.sync is not None:
+            self.sync()
         now = time.perf_counter()
         if self.stack:
             top = self.stack[-1]
@@ -87,6 +93,8 @@ class Profile:
         self.calls[cat] += 1
 
     def leave(self):
+        if self.sync is not None:
+            self.sync()
         now = time.perf_counter()
         cat, started = self.stack.pop()
         self.seconds[cat] += now - started
@@ -161,7 +169,9 @@ def instrumented(profile: Profile):
             setattr(owner, name, fn)
 
 
-def _step(task, mode, step, batch, path, cfg, profile=None):
+def _step(task, mode, step, batch, path, cfg, profile=None, sync=None):
+    if sync is not None:
+        sync()
     t0 = time.perf_counter()
     ctx = instrumented(profile) if profile is not None else contextlib.nullcontext()
     with ctx:
@@ -173,21 +183,31 @@ def _step(task, mode, step, batch, path, cfg, profile=None):
         else:
             with logged_step(cfg, step, reader=StepLogReader(path, expect_step=step, expect_bits=32)):
                 task.run_step(batch)
+    if sync is not None:
+        sync()
     return time.perf_counter() - t0
 
 
 RUNS = ("fp32", "fp64", "trainer", "auditor", "trainer*", "auditor*")  # * = instrumented
 
 
-def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
+def measure(task_ref: str, config: dict, steps: int, progress=print, device="cpu") -> dict:
     """Per-step times of every run and the instrumented runs' category breakdown (medians over ``steps``
-    counted steps; one warm-up step first)."""
+    counted steps; one warm-up step first) on ``device``."""
+    from veritrain.runner import on_device
+
+    with on_device(device) as device:
+        return _measure(task_ref, config, steps, progress, device)
+
+
+def _measure(task_ref, config, steps, progress, device):
     grid, cfg = Grid(32), EngineConfig()
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     tasks = {}
     for run in RUNS:
         t = build(task_ref, config)
         _prepare_model(t, "fp64" if run == "fp64" else "fp32", grid)
-        tasks[run] = place_task(t, "cpu")
+        tasks[run] = place_task(t, device)
     times = {r: [] for r in RUNS}
     shares = {r: {c: [] for c in CATEGORIES} for r in ("trainer*", "auditor*")}
     with tempfile.TemporaryDirectory() as d:
@@ -199,8 +219,8 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
                 mode = run.rstrip("*")
                 batch = _prepare_batch(tasks[run].batch(step), "fp64" if mode == "fp64" else "fp32", grid)
                 path = os.path.join(d, f"{step}{'i' if run.endswith('*') else ''}.vtlog")
-                profile = Profile() if run.endswith("*") else None
-                elapsed = _step(tasks[run], mode, step, batch, path, cfg, profile)
+                profile = Profile(sync) if run.endswith("*") else None
+                elapsed = _step(tasks[run], mode, step, batch, path, cfg, profile, sync)
                 if step == 0:
                     continue
                 times[run].append(elapsed)
@@ -263,6 +283,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]", help="where every run goes (default cpu)")
     ap.add_argument("--section", default="", help="a name for the RESULTS.md section (runs of other workloads "
                     "keep their own section), e.g. --workloads gpt2-117m,resnet18 --section 'full size'")
     args = ap.parse_args(argv)
@@ -277,10 +298,11 @@ def main(argv=None):
             ap.error(f"unknown workload {name!r}; known: {', '.join(known)}")
         task_ref, config, description = known[name]
         print(f"{name}: {description}", flush=True)
-        results[name] = measure(task_ref, config, args.steps, progress=lambda s: print(f"{name}{s}", flush=True))
+        results[name] = measure(task_ref, config, args.steps, progress=lambda s: print(f"{name}{s}", flush=True),
+                                device=args.device)
         descriptions[name] = description
     command = "python bench/profile_engine.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    section = markdown(results, descriptions, command.strip(), machine(), args.section)
+    section = markdown(results, descriptions, command.strip(), machine(args.device), args.section)
     print(section)
     if not args.no_write:
         write_section(os.path.join(HERE, "RESULTS.md"), section)

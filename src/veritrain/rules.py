@@ -124,6 +124,8 @@ class NormFactor:
         return self._full
 
     def at(self, coords) -> torch.Tensor:
+        if self._full is not None:  # the trainer's kernel needed every norm: they are computed already
+            return self._full[tuple(torch.zeros_like(c) if n == 1 else c for c, n in zip(coords, self._full.shape))]
         x = self.x.movedim(self.dim, -1)
         index = [c if self.x.shape[d] != 1 else torch.zeros_like(c) for d, c in enumerate(coords) if d != self.dim]
         outer = x.shape[:-1]

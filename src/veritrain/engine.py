@@ -428,6 +428,8 @@ class _FusedSlot:
     def _eval(self, idx):
         if self._memo is not None and self._memo[0] is idx:
             return self._memo[1]
+        if self._compute is None:  # written in place over an operand (_fused_slot's ``into``): nothing to recompute
+            raise RuntimeError("a result computed in place over its operand cannot be evaluated again")
         sub = [t[idx] if t.dim() else t for t in self._operands]
         y, s = self._compute(*sub, *self._extra)
         y = y.to(torch.float64).reshape(-1)
@@ -816,7 +818,10 @@ class VerifiedMode(TorchDispatchMode):
         named = _named(func, args2, kwargs2)
         if info.variant == "out":
             named = {k: v for k, v in named.items() if k not in info.targets}
-        slot = self._fused_slot(func, run, rule, named)
+        into = None
+        if info.variant == "inplace" and self._entry_free(record, 0, named.get(info.targets[0])):
+            into = _named(func, args, kwargs)[info.targets[0]]
+        slot = self._fused_slot(func, run, rule, named, into)
         if slot is None:
             return _NOT_FUSED
         final = self._finish_op(func, record, scalars, [slot])[0].view(slot.shape)
@@ -826,9 +831,24 @@ class VerifiedMode(TorchDispatchMode):
             return orig if func._schema.returns else None
         return final
 
-    def _fused_slot(self, func, run, rule, named):
+    def _entry_free(self, record, k, target) -> bool:
+        """Whether output ``k`` of an in-place op on ``target`` can be written in place by its kernel: no
+        candidates are looked for (not the trainer) and the log (if any) has an output of this shape there with
+        no entries, so nothing needs the operand's old values after the kernel. A log that says otherwise takes
+        the usual path, where _finish_op checks it."""
+        if self.writer is not None or self.emulate == "perturb" or self.probe is not None \
+                or not isinstance(target, torch.Tensor):
+            return False
+        if record is None:
+            return True
+        return k < len(record.outputs) and not record.outputs[k].n_entries \
+            and tuple(record.outputs[k].shape) == tuple(target.shape)
+
+    def _fused_slot(self, func, run, rule, named, into=None):
         """``run``'s result for arguments ``named`` (float scalars on float32) from a fused kernel, or None where
-        none applies (too small, not elementwise, not compiled here)."""
+        none applies (too small, not elementwise, not compiled here). ``into``: the tensor an in-place op
+        writes (``_entry_free``); the kernel writes the rounded result there where it is the op's ``self``
+        operand itself and shares memory with no other operand."""
         tensors = [x for x in named.values() if isinstance(x, torch.Tensor)]
         numel = max((x.numel() for x in tensors), default=0)
         if not tensors or not FusedKernels.enabled_for(numel, max(tensors, key=torch.Tensor.numel).device):
@@ -845,8 +865,9 @@ class VerifiedMode(TorchDispatchMode):
         operands = plan.operands()
         device = operands[0].device
         extra = [torch.tensor(v, dtype=torch.float64, device=device) for v in plan.scalars] if plan.formula else []
+        target = _inplace_operand(plan, into) if into is not None and not want else None
         try:
-            built = fk.kernel(plan, run, rule.fused, c, want)
+            built = fk.kernel(plan, run, rule.fused, c, want, target)
             if built is None:  # this op has compiled its quota of kernels
                 return None
             kernel, compute = built
@@ -855,6 +876,8 @@ class VerifiedMode(TorchDispatchMode):
             fk._failed.add(plan.key)
             fk.warn_once(func, exc)
             return None
+        if target is not None:
+            return _FusedSlot(into.reshape(-1), None, None, None, None, plan.shape, rule.op_class)
         y32, cand = (out[0], out[1]) if want else (out, None)
         return _FusedSlot(y32.reshape(-1), None if cand is None else cand.reshape(-1), compute, operands, extra,
                           plan.shape, rule.op_class)
@@ -878,8 +901,9 @@ class VerifiedMode(TorchDispatchMode):
         if op_rule.kind != rules.APPROX or op_rule.op_class != rule.op_class or op_rule.fused is None:
             return _NOT_FUSED
         slots = []
-        for call in calls:
-            slot = self._fused_slot(func, op, op_rule, call)
+        for i, call in enumerate(calls):
+            into = call["self"] if info.variant == "inplace" and self._entry_free(record, i, call["self"]) else None
+            slot = self._fused_slot(func, op, op_rule, call, into)
             if slot is None:  # small, or not compiled here: the single op in float64
                 up = {k: v.to(torch.float64) if _is_float_tensor(v) else v for k, v in call.items()}
                 a64, k64 = _from_named(op, up, len([a for a in op._schema.arguments if not a.kwarg_only]))
@@ -1375,7 +1399,22 @@ def _rebuild(res, flat):
 def _write_back(orig: torch.Tensor, y32: torch.Tensor):
     if orig.shape != y32.shape:
         orig.resize_(y32.shape)
+    if y32.data_ptr() == orig.data_ptr() and y32.stride() == orig.stride() and y32.dtype == orig.dtype:
+        return  # the kernel wrote the result in place (_fused_slot's ``into``)
     orig.copy_(y32)
+
+
+def _inplace_operand(plan, into: torch.Tensor):
+    """The position among ``plan``'s tensor operands of the in-place op's ``self``, where it is ``into`` itself
+    (contiguous float32, as every fused operand is) and overlaps no other operand; else None."""
+    pos = next((v for name, _, kind, v in plan.layout if kind == "T" and name == "self"), None)
+    if pos is None or plan.tensors[pos].data_ptr() != into.data_ptr() or not into.is_contiguous() \
+            or tuple(into.shape) != tuple(plan.tensors[pos].shape):
+        return None
+    base = into.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == base for i, t in enumerate(plan.tensors) if i != pos):
+        return None
+    return pos
 
 
 def _tensor_digest(t: torch.Tensor) -> bytes:

@@ -190,18 +190,20 @@ class FusedKernels:
     # scalar baked into the kernel (pow's exponent, say) that changes every call would compile every call
     MAX_KERNELS_PER_OP = 8
 
-    def kernel(self, plan, func, scale_fn, c, want_cand):
-        """(compiled kernel, eager compute) for ``plan``, or None where ``func`` has compiled its quota."""
-        full_key = (plan.key, c, want_cand)
+    def kernel(self, plan, func, scale_fn, c, want_cand, into=None):
+        """(compiled kernel, eager compute) for ``plan``, or None where ``func`` has compiled its quota. ``into``:
+        the position of a tensor operand the kernel writes its rounded result into, returning nothing (an
+        in-place op whose result needs no candidates: the auditor's, where the log has no entry for it)."""
+        full_key = (plan.key, c, want_cand, into)
         k = self._cache.get(full_key)
         if k is None:
             if self._per_op.get(func, 0) >= self.MAX_KERNELS_PER_OP:
                 return None
             self._per_op[func] = self._per_op.get(func, 0) + 1
-            k = self._cache[full_key] = self._build(func, plan, scale_fn, c, want_cand)
+            k = self._cache[full_key] = self._build(func, plan, scale_fn, c, want_cand, into)
         return k
 
-    def _build(self, func, plan, scale_fn, c, want_cand):
+    def _build(self, func, plan, scale_fn, c, want_cand, into=None):
         layout, consts, scalars, formula = plan.layout, plan.consts, plan.scalars, plan.formula
         g = self.grid
         n_t = sum(1 for e in layout if e[2] == "T")
@@ -222,7 +224,9 @@ class FusedKernels:
         lines.append(f"def kernel({', '.join(params)}):")
         lines.append(f"    y, s = compute({', '.join(params)})")
         lines.append(f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})")
-        if want_cand:
+        if into is not None:  # written where the operand is: no float32 result to allocate and copy back
+            lines.append(f"    t{into}.copy_(y32)")
+        elif want_cand:
             lines.append(f"    return y32, CAND(y, s, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})")
         else:
             lines.append("    return y32")

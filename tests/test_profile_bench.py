@@ -21,3 +21,15 @@ def test_the_profile_accounts_for_the_whole_step_once():
         assert r["share"][run]["kernel"] > 0 and r["share"][run]["log"] > 0
     assert r["share"]["trainer*"]["scan"] > 0 and r["share"]["auditor*"]["scan"] == 0  # only the trainer scans
     assert set(r["in_fp64_steps"]) == {"trainer", "auditor"}
+
+
+def test_the_optimizer_bench_steps_the_trainer_and_the_auditor_to_the_same_bits(capsys):
+    """bench/bench_optimizer.py: AdamW over GPT-2's parameter shapes in every mode; it exits with an error where
+    the auditor's parameters differ from the trainer's or its replay finds a suspicious entry."""
+    import bench_optimizer
+
+    shapes = bench_optimizer.gpt2_shapes(2, 8)
+    assert len(shapes) == 2 + 12 * 2 + 2 and shapes[0] == (50257, 8)
+    bench_optimizer.main(["--layers", "1", "--width", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "the same bits" in out and "auditor" in out

@@ -33,3 +33,22 @@ def test_the_optimizer_bench_steps_the_trainer_and_the_auditor_to_the_same_bits(
     bench_optimizer.main(["--layers", "1", "--width", "8", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "the same bits" in out and "auditor" in out
+
+
+def test_the_mask_bench_times_each_format_and_finds_the_same_candidates(capsys):
+    """bench/bench_masks.py: every variant compiles and runs; the one-byte mask and the per-row flags agree
+    on which rows hold candidates (the test is the same, only its output differs)."""
+    import torch
+
+    import bench_masks
+
+    bench_masks.main(["--numel", "65536", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert all(v in out for v in ("round_only", "int8_mask", "float32_test", "row_flags"))
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1)) * 1e-3
+    x[[5, 6, 700, 40000]] = 1e-39  # below float32's normal range: candidates (the bulk test's rule there)
+    s = torch.tensor(1.7, dtype=torch.float64)
+    mask = bench_masks.int8_mask(x, s)[1]
+    flags = bench_masks.row_flags(x.view(-1, 256), s)[1]
+    assert torch.equal(mask.view(-1, 256).ne(0).sum(1).to(flags.dtype), flags)
+    assert flags.nonzero().squeeze(1).tolist() == [0, 2, 156]

@@ -5,8 +5,10 @@ compiles its kernels (fused.compile_kernel), then the candidates' positions foun
     python bench/bench_masks.py                 # 38.6M values (GPT-2's token embedding), 9 repeats
     python bench/bench_masks.py --numel 4194304
 
-Variants: ``round`` the float32 result alone (what the auditor's kernel writes); ``int8 mask`` the engine's
-test (rounding.candidate_mask) written as one byte per value, positions by rounding.mask_positions;
+Variants: ``round`` the float32 result alone (what the auditor's kernel writes); ``int8 mask`` the bit test
+(rounding.candidate_mask, the kernels' test on coarser grids) written as one byte per value, positions by
+rounding.mask_positions; ``stability`` the kernels' test on the float32 grid (rounding.stability_mask), one
+byte per value, positions alike;
 ``float32 test`` the same test's sign written as a float32 value, positions from its sign bits; ``row flags``
 the test's count per row of 256 values (a reduction in the same kernel), positions only where a row is
 flagged (the exact test on those rows, not timed: candidates are rare). Prints medians in ms.
@@ -22,7 +24,7 @@ import torch
 
 from veritrain import fused, hardware
 from veritrain.rounding import (FLOAT32_MIN_NORMAL, _TWO_52, _TWO_52_BITS, Grid, candidate_mask,
-                                mask_positions)
+                                mask_positions, stability_mask)
 
 GRID = Grid(32)
 C = 4.0  # a threshold (EngineConfig's elementwise class is of this size)
@@ -46,6 +48,11 @@ def int8_mask(t, s):
     return y.to(torch.float32), candidate_mask(y, y.abs(), C, GRID.low_mask, GRID.half, GRID.value_units)
 
 
+def stability(t, s):
+    y = t.to(torch.float64) / s
+    return y.to(torch.float32), stability_mask(y, y.abs(), C)
+
+
 def float32_test(t, s):
     y = t.to(torch.float64) / s
     return y.to(torch.float32), _test(y).to(torch.float32)
@@ -65,10 +72,10 @@ def main(argv=None):
     n = args.numel - args.numel % 256
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     s = torch.tensor(1.7, dtype=torch.float64)
-    kernels = {f.__name__: fused.compile_kernel(f) for f in (round_only, int8_mask, float32_test, row_flags)}
+    kernels = {f.__name__: fused.compile_kernel(f) for f in (round_only, int8_mask, stability, float32_test, row_flags)}
 
     def positions(name, out):
-        if name == "int8_mask":
+        if name in ("int8_mask", "stability"):
             return mask_positions(out[1])
         if name == "float32_test":  # sign bits, two values to an int64 word
             words = (out[1].view(torch.int64) & -0x7FFFFFFF7FFFFFFF - 1).nonzero().squeeze(1)

@@ -44,7 +44,7 @@ def test_the_mask_bench_times_each_format_and_finds_the_same_candidates(capsys):
 
     bench_masks.main(["--numel", "65536", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert all(v in out for v in ("round_only", "int8_mask", "float32_test", "row_flags"))
+    assert all(v in out for v in ("round_only", "int8_mask", "stability", "float32_test", "row_flags"))
     x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1)) * 1e-3
     x[[5, 6, 700, 40000]] = 1e-39  # below float32's normal range: candidates (the bulk test's rule there)
     s = torch.tensor(1.7, dtype=torch.float64)
@@ -52,3 +52,5 @@ def test_the_mask_bench_times_each_format_and_finds_the_same_candidates(capsys):
     flags = bench_masks.row_flags(x.view(-1, 256), s)[1]
     assert torch.equal(mask.view(-1, 256).ne(0).sum(1).to(flags.dtype), flags)
     assert flags.nonzero().squeeze(1).tolist() == [0, 2, 156]
+    # the kernels' test flags none of these (their scale |y| / 1.7 leaves no rounding in doubt), nor others
+    assert not bench_masks.stability(x, s)[1].any()

@@ -244,3 +244,80 @@ def test_the_scans_midpoint_distance_is_exact_at_the_threshold(b):
             assert torch.equal(compiled(*args), want)
         masks.append(want)
     assert not torch.equal(masks[0], masks[2])  # the threshold is exercised
+
+
+def stability_cases():
+    """(y, scale, c) at the stability test's edges: results exactly at a midpoint and a few float64 ulps either
+    side, with tau just above and below that distance (and far below a float64 ulp); tau at spacing/8 exactly,
+    for results just below a power of two, tiny normals and subnormals included; zero results and scales;
+    results near float32's largest value; both signs."""
+    grid = Grid(32)
+    gen = torch.Generator().manual_seed(7)
+    n = 20000
+    mag = 2.0 ** torch.randint(-149, 127, (n,), generator=gen).double()
+    y = grid.round(torch.rand(n, generator=gen, dtype=torch.float64) * mag + mag).double()
+    lower, _, spacing = grid.cell(y)
+    mid = lower + spacing / 2
+    steps = torch.randint(-6, 7, (n,), generator=gen)
+    y = torch.nextafter(mid, torch.where(steps < 0, 0.0, math.inf).double())
+    for _ in range(5):  # up to five more float64 ulps either side
+        more = steps.abs() > 1
+        y = torch.where(more, torch.nextafter(y, torch.where(steps < 0, 0.0, math.inf).double()), y)
+        steps = torch.where(more, steps - steps.sign(), steps)
+    y[::4] = mid[::4]  # exact ties
+    dist = (y - mid).abs()
+    c = 8.0
+    unit = c * UNIT_ROUNDOFF
+    scale = dist / unit * (1.0 + 2.0 ** -30 * torch.randint(-3, 4, (n,), generator=gen).double())
+    scale[::4] = torch.rand(n // 4, generator=gen, dtype=torch.float64) * 1e-300  # a tie, tau far below an ulp
+    scale[1::9] = 0.0
+    cell = grid.spacing_at(y)
+    scale[2::9] = (cell / 8 / unit)[2::9]  # value entry at its threshold
+    below_pow2 = torch.nextafter(2.0 ** torch.randint(-125, 127, (n,), generator=gen).double(), torch.tensor(0.0).double())
+    y[3::9], scale[3::9] = below_pow2[3::9], (grid.spacing_at(below_pow2) / 8 / unit)[3::9]
+    special = torch.tensor([0.0, -0.0, F32_TINY, F32_TINY / 2, 2.0**-1074, F32_MAX, -F32_MAX, 2.0**128, math.inf,
+                            math.nan, 2.0**-126, -(2.0**-126) * (1 - 2.0**-52)], dtype=torch.float64)
+    y = torch.cat([y, -y, special, special])
+    scale = torch.cat([scale, scale, torch.ones(len(special), dtype=torch.float64) * 1e-30,
+                       torch.tensor([0.0, 1e-300, 1.0, math.inf, math.nan, 2.0**-160] * 2, dtype=torch.float64)])
+    return grid, y, scale, c
+
+
+def test_the_kernels_stability_test_finds_every_element_that_needs_an_entry():
+    """Compiled kernels scan with rounding.stability_mask (the float32 grid): a candidate where y's rounding
+    changes within b = tau (1 + 2**-40) + |y| 2**-50, or b 2**27 >= |y|. It must flag every element the exact
+    classification gives an entry (ties with tau far below an ulp, the value threshold at tiny normals), eager
+    and compiled alike, and not flag exact ties of exact results (scale 0), which captured regions replay."""
+    from veritrain import fused, rounding
+
+    grid, y, scale, c = stability_cases()
+    is_value, is_dir, _ = grid.classify(y, c * UNIT_ROUNDOFF * scale)
+    needed = is_value | is_dir
+    assert int(is_dir.sum()) > 5000 and int(is_value.sum()) > 1000  # the edges are exercised
+    mask = rounding.stability_mask(y, scale, c)
+    assert mask.dtype == torch.int8 and set(mask.unique().tolist()) <= {0, 1}
+    missed = (needed & (mask == 0)).nonzero().flatten()
+    assert not len(missed), [(y[i].item(), scale[i].item()) for i in missed[:5]]
+    compiled = fused.compile_kernel(rounding.stability_mask)(y, scale, c)
+    assert torch.equal(compiled, mask)
+    ties = (y == grid.cell(y)[0] + grid.spacing_at(y) / 2) & (scale == 0)
+    assert int(ties.sum()) > 100 and not bool(mask[ties].any())
+    # selective: on random results with an elementwise scale, about as many candidates as the bit test's
+    gen = torch.Generator().manual_seed(8)
+    r = torch.randn(200000, generator=gen, dtype=torch.float64)
+    s = r.abs() * 1e6
+    bits = rounding.candidate_mask(r, s, c, grid.low_mask, grid.half, grid.value_units) != 0
+    assert int((rounding.stability_mask(r, s, c) != 0).sum()) <= int(bits.sum()) + 10
+
+
+def test_kernels_on_coarser_grids_keep_the_bit_test():
+    """The stability test reads float32's own rounding, so only the float32 grid uses it."""
+    from veritrain import rounding
+
+    assert rounding.kernel_test(Grid(32)) is rounding.stability_mask
+    grid = Grid(27)
+    gen = torch.Generator().manual_seed(9)
+    y = torch.randn(5000, generator=gen, dtype=torch.float64)
+    s = y.abs() * 1e9
+    want = rounding.candidate_mask(y, s, 8.0, grid.low_mask, grid.half, grid.value_units)
+    assert torch.equal(rounding.kernel_test(grid)(y, s, 8.0), want)

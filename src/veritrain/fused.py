@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from .hardware import compiled_path
-from .rounding import FLOAT32_MIN_NORMAL, Grid, candidate_mask as _candidate_mask
+from .rounding import FLOAT32_MIN_NORMAL, Grid, kernel_test
 
 aten = torch.ops.aten
 
@@ -227,10 +227,10 @@ class FusedKernels:
         if into is not None:  # written where the operand is: no float32 result to allocate and copy back
             lines.append(f"    t{into}.copy_(y32)")
         elif want_cand:
-            lines.append(f"    return y32, CAND(y, s, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})")
+            lines.append(f"    return y32, CAND(y, s, {float(c)!r})")
         else:
             lines.append("    return y32")
-        env = {"torch": torch, "FUNC": func, "ROUND": _round_to_grid, "CAND": _candidate_mask, "SCALE": scale_fn,
+        env = {"torch": torch, "FUNC": func, "ROUND": _round_to_grid, "CAND": kernel_test(g), "SCALE": scale_fn,
                "KW": plan.kw, **{f"C{i}": v for i, v in enumerate(consts)}}
         define("\n".join(lines), f"<veritrain fused kernel {next(self._ids)}: {func}>", env)
         return compile_kernel(env["kernel"]), env["compute"]
@@ -295,9 +295,9 @@ class Epilogues:
             f"def epilogue({', '.join(['y', 'coefs'] + names)}):",
             f"    s = {' + '.join(terms)}",
             f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})",
-            f"    return y32, CAND(y, s, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})",
+            f"    return y32, CAND(y, s, {float(c)!r})",
         ])
-        env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
+        env = {"torch": torch, "ROUND": _round_to_grid, "CAND": kernel_test(g)}
         define(src, f"<veritrain epilogue {next(self._ids)}>", env)
         return compile_kernel(env["epilogue"])
 
@@ -505,10 +505,10 @@ class FusedSums:
             ]
         lines.append(f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})")
         if want_cand:
-            lines.append(f"    return y32, CAND(y, scale, {float(c)!r}, {g.low_mask}, {g.half}, {g.value_units})")
+            lines.append(f"    return y32, CAND(y, scale, {float(c)!r})")
         else:
             lines.append("    return y32")
-        env = {"torch": torch, "ROUND": _round_to_grid, "CAND": _candidate_mask}
+        env = {"torch": torch, "ROUND": _round_to_grid, "CAND": kernel_test(g)}
         define("\n".join(lines), f"<veritrain fused sum {next(self._ids)}: {ndim}-d over {reduced}>", env)
         return compile_kernel(env["kernel"])
 

@@ -173,6 +173,47 @@ def candidate_mask(y, scale, c: float, low_mask: int, half: int, value_units: in
     return (d.view(_INT64) >> 63).to(torch.int8)
 
 
+def stability_mask(y, scale, c: float):
+    """int8 mask (1 = candidate, 0 = not) of a near-midpoint test for the float32 grid (bits = 32) that
+    compiled kernels run at about half candidate_mask's cost: y is a candidate where its rounding changes
+    within b = tau (1 + 2**-40) + |y| 2**-50 of it (tau = c u scale; b = 0 where the scale is 0, so an exact
+    tie of an exact result is no candidate), or where b 2**27 >= |y|.
+
+    A superset of the elements that need an entry (docs/ROUNDING.md, "The kernels' test"). Direction: y within
+    tau of a midpoint m puts y + b and y - b on either side of m, each at least b - tau >= |y| 2**-50 away,
+    four float64 ulps of y and more than the rounding error of b and of y +- b; so their float32 conversions
+    (the grid's rounding when bits = 32, ties and subnormals included) are the two neighbours or beyond, and
+    differ by at least 2**-149. Value: tau >= spacing/8 > |y| 2**-27 (in float32's normal range; below it
+    spacing/8 = 2**-152 > |y| 2**-27), so b 2**27 - |y| > 0, and it is more than 2**-166 (scaled by 2**200
+    before its conversion to float32, it does not underflow). Neither part needs a float64 comparison or int64
+    arithmetic, which AVX2 lacks in vectors (candidate_mask's bit test needs both or their emulation). The two
+    parts are added, scaled to at least 1 where either is positive, and capped at 1 by fmin, which also gives
+    1 for NaN (y or its scale NaN, y past float32's range): classify gives such results no entry.
+    """
+    ay = y.abs()
+    # |y| 2**-50, or 0 where the scale is 0 (a nonzero scale times 2**1200 is at least 2**126, more than
+    # |y| 2**-50 for every y in float32's range)
+    floor = torch.minimum(ay * 2.0**-50, scale * 2.0**600 * 2.0**600)
+    b = scale * (c * UNIT_ROUNDOFF * (1.0 + 2.0**-40)) + floor
+    moved = (y + b).to(torch.float32) - (y - b).to(torch.float32)  # >= 0: rounding is monotone
+    wide = ((b * 2.0**27 - ay) * 2.0**200).to(torch.float32).clamp(min=0.0)
+    flag = moved * 2.0**100 * 2.0**100 + wide
+    return torch.fmin(flag, torch.ones_like(flag)).to(torch.int8)
+
+
+def kernel_test(grid: "Grid"):
+    """The near-midpoint test compiled kernels run for ``grid``, as a function of (y, scale, c): the
+    stability test where the grid is float32 itself, candidate_mask's bit test on coarser grids."""
+    if grid.drop == 0:
+        return stability_mask
+    low_mask, half, value_units = grid.low_mask, grid.half, grid.value_units
+
+    def bit_test(y, scale, c: float):
+        return candidate_mask(y, scale, c, low_mask, half, value_units)
+
+    return bit_test
+
+
 def mask_positions(mask: torch.Tensor) -> torch.Tensor:
     """Flat positions (int64, ascending) of a one-byte mask's nonzero elements: ``mask.reshape(-1).nonzero()``,
     found faster when they are rare, as candidates are. torch's nonzero reads

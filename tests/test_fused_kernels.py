@@ -192,28 +192,67 @@ def _lerp_tensors(shape=(64, 64)):
     return [a, c], [torch.nextafter(a, torch.full_like(a, 2.0)), (torch.rand(shape, generator=g) + 1.0) * 1e-7]
 
 
-def test_the_auditor_writes_an_in_place_result_without_entries_where_its_operand_is(tmp_path, monkeypatch, builds):
-    """An in-place op (an optimizer's foreach update) whose output has no log entry: the auditor's kernel writes
-    the rounded result into the tensor itself (no float32 result allocated and copied back: the auditor's
-    foreach updates of GPT-2 117M took 2x plain float64 before, about 1x after). An output with entries takes
-    the kernel that leaves its operand alone, since the entries are applied and checked from its old values.
-    Both give the trainer's bits."""
-    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+def test_an_in_place_op_writes_its_result_where_its_operand_is(tmp_path, monkeypatch, builds):
+    """An in-place op (an optimizer's foreach update) on a tensor that shares memory with no operand: its kernel
+    writes the rounded result into the tensor itself, no float32 result allocated and copied back (AdamW's
+    foreach updates of GPT-2 117M took the auditor 2x plain float64 before, about 1x after). The trainer's
+    kernel leaves the old values at its candidates (here every value of the first tensor: all are midpoints),
+    evaluates them again from the operands and writes them; the auditor's writes in place where the log has
+    no entry, and an output with entries takes the kernel that leaves its operand alone (the entries are
+    applied and checked from its old values). Both give the eager engine's bits and log."""
     monkeypatch.setattr(engine, "_FUSED_CACHE", {})
     starts, ends = _lerp_tensors()
-    trained, audited = [t.clone() for t in starts], [t.clone() for t in starts]
-    w = StepLogWriter(str(tmp_path / "0.vtlog"), 0, 32)
-    with step_context(EngineConfig(), 0, writer=w) as mode:
-        torch._foreach_lerp_(trained, ends, 0.5)
-    w.close()
+    runs = {}
+    for compile_mode in ("1", "0"):
+        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+        trained = [t.clone() for t in starts]
+        w = StepLogWriter(str(tmp_path / f"{compile_mode}.vtlog"), 0, 32)
+        with step_context(EngineConfig(), 0, writer=w) as mode:
+            torch._foreach_lerp_(trained, ends, 0.5)
+        w.close()
+        runs[compile_mode] = (trained, (tmp_path / f"{compile_mode}.vtlog").read_bytes())
     assert mode.stats.entries_dir["optimizer"] + mode.stats.entries_dir["forward"] >= 64 * 64  # the midpoints
-    with StepLogReader(str(tmp_path / "0.vtlog"), expect_step=0, expect_bits=32) as r:
+    assert all(torch.equal(a, b) for a, b in zip(runs["1"][0], runs["0"][0]))
+    assert runs["1"][1] == runs["0"][1]
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+    audited = [t.clone() for t in starts]
+    with StepLogReader(str(tmp_path / "1.vtlog"), expect_step=0, expect_bits=32) as r:
         with step_context(EngineConfig(), 0, reader=r) as mode:
             torch._foreach_lerp_(audited, ends, 0.5)
     assert mode.stats.suspicious_count == 0
-    assert all(torch.equal(a, t) for a, t in zip(audited, trained))
+    assert all(torch.equal(a, t) for a, t in zip(audited, runs["1"][0]))
     lerps = [how for f, how in builds if f is torch.ops.aten.lerp.Scalar]
-    assert (True, None) in lerps and (False, 0) in lerps and (False, None) in lerps, lerps
+    assert (True, 0) in lerps and (True, None) not in lerps, lerps  # the trainer's, in place
+    assert (False, 0) in lerps and (False, None) in lerps, lerps  # the auditor's: in place, and not
+
+
+def test_a_foreach_op_on_tensors_that_are_each_others_operands_updates_each_from_the_old_values(tmp_path,
+                                                                                              monkeypatch):
+    """_foreach_add_([a, b], [b, a]): written in place kernel by kernel, b's update would read the new a. The
+    engine evaluates every update from the old values, compiled or not: the fused path writes such tensors
+    through a fresh result, and gives the eager engine's bits and log, trainer and auditor."""
+    g = torch.Generator().manual_seed(5)
+    pair = [torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)]
+    runs = {}
+    for compile_mode in ("1", "0"):
+        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+        a, b = (t.clone() for t in pair)
+        log = tmp_path / f"{compile_mode}.vtlog"
+        w = StepLogWriter(str(log), 0, 32)
+        with step_context(WIDE, 0, writer=w):
+            torch._foreach_add_([a, b], [b, a], alpha=0.25)
+        w.close()
+        runs[compile_mode] = (a, b, log.read_bytes())
+    assert torch.equal(runs["0"][0], (pair[0].double() + 0.25 * pair[1].double()).float())  # from the old b
+    assert torch.equal(runs["0"][1], (pair[1].double() + 0.25 * pair[0].double()).float())  # from the old a
+    assert torch.equal(runs["1"][0], runs["0"][0]) and torch.equal(runs["1"][1], runs["0"][1])
+    assert runs["1"][2] == runs["0"][2]
+    a, b = (t.clone() for t in pair)
+    with StepLogReader(str(tmp_path / "1.vtlog"), expect_step=0, expect_bits=32) as r:
+        with step_context(WIDE, 0, reader=r) as mode:
+            torch._foreach_add_([a, b], [b, a], alpha=0.25)
+    assert mode.stats.suspicious_count == 0
+    assert torch.equal(a, runs["0"][0]) and torch.equal(b, runs["0"][1])
 
 
 def test_a_log_of_another_shape_leaves_the_tensor_of_an_in_place_op_unchanged(tmp_path, monkeypatch):

@@ -311,13 +311,17 @@ def test_the_kernels_stability_test_finds_every_element_that_needs_an_entry():
 
 
 def test_kernels_on_coarser_grids_keep_the_bit_test():
-    """The stability test reads float32's own rounding, so only the float32 grid uses it."""
+    """The stability test reads float32's own rounding, so only the float32 grid uses it; the kernels' flag is a
+    float32 1 where the test finds a candidate."""
     from veritrain import rounding
 
-    assert rounding.kernel_test(Grid(32)) is rounding.stability_mask
+    assert rounding.kernel_flag(Grid(32)) is rounding.stability_flag
     grid = Grid(27)
     gen = torch.Generator().manual_seed(9)
     y = torch.randn(5000, generator=gen, dtype=torch.float64)
-    s = y.abs() * 1e9
+    y32 = grid.round(y).double()
+    y[::2] = (y32 + grid.spacing_at(y32) / 2)[::2]  # midpoints: candidates
+    s = y.abs() * 1e3
     want = rounding.candidate_mask(y, s, 8.0, grid.low_mask, grid.half, grid.value_units)
-    assert torch.equal(rounding.kernel_test(grid)(y, s, 8.0), want)
+    flag = rounding.kernel_flag(grid)(y, s, 8.0)
+    assert flag.dtype == torch.float32 and torch.equal(flag != 0, want != 0) and set(flag.unique().tolist()) == {0, 1}

@@ -47,7 +47,7 @@ from . import decompositions, rules
 from .fused import FusedKernels, _round_to_grid, define
 from .hardware import compiled_path
 from .logformat import OutputEntries
-from .rounding import kernel_test
+from .rounding import kernel_flag
 
 aten = torch.ops.aten
 MIN_TRIES = 4  # replays before a region's fallback share is judged
@@ -252,7 +252,7 @@ def _lower(mode, rec: Recorder, out) -> Region:
 
     grid = mode.grid
     refs = dict(rec.refs)
-    env = {"torch": torch, "ROUND": _round_to_grid, "CAND": kernel_test(grid), "INF": math.inf}
+    env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": kernel_flag(grid), "INF": math.inf}
     lines = [f"def program({', '.join(f'i{k}' for k in range(len(rec.inputs)))}):"]
     templates, cands, mutations, written = [], [], [], set()
     want = mode.writer is not None
@@ -316,7 +316,7 @@ def _lower(mode, rec: Recorder, out) -> Region:
                 lines += _lower_approx(func, rule, rounded, spec, names, env, j, c)
                 lines.append(f"    {results[0]} = ROUND(y{j}, {round_args})")
                 if want:
-                    lines.append(f"    c{j} = CAND(y{j}, s{j}, {c!r})")
+                    lines.append(f"    c{j} = FLAG(y{j}, s{j}, {c!r})")
                     cands.append(f"c{j}")
         else:
             raise Uncapturable(f"{func}: {rule.kind} op")

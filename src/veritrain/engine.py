@@ -819,8 +819,9 @@ class VerifiedMode(TorchDispatchMode):
         if info.variant == "out":
             named = {k: v for k, v in named.items() if k not in info.targets}
         into = None
-        if info.variant == "inplace" and self._entry_free(record, 0, named.get(info.targets[0])):
-            into = _named(func, args, kwargs)[info.targets[0]]
+        if info.variant == "inplace":
+            target = _named(func, args, kwargs)[info.targets[0]]
+            into = target if self._writes_in_place(record, 0, target) else None
         slot = self._fused_slot(func, run, rule, named, into)
         if slot is None:
             return _NOT_FUSED
@@ -831,15 +832,16 @@ class VerifiedMode(TorchDispatchMode):
             return orig if func._schema.returns else None
         return final
 
-    def _entry_free(self, record, k, target) -> bool:
-        """Whether output ``k`` of an in-place op on ``target`` can be written in place by its kernel: no
-        candidates are looked for (not the trainer) and the log (if any) has an output of this shape there with
-        no entries, so nothing needs the operand's old values after the kernel. A log that says otherwise takes
-        the usual path, where _finish_op checks it."""
-        if self.writer is not None or self.emulate == "perturb" or self.probe is not None \
-                or not isinstance(target, torch.Tensor):
+    def _writes_in_place(self, record, k, target) -> bool:
+        """Whether the kernel of output ``k`` of an in-place op on ``target`` may write into ``target`` itself
+        (no float32 result allocated and copied back). The trainer's kernel leaves its candidates' old values
+        there, for _record to evaluate them again and then overwrite them. The auditor's writes every value, so
+        only where the log (if any) has an output of this shape there with no entries, and nothing needs the
+        operand's old values after the kernel: a log that says otherwise takes the usual path, where
+        _finish_op checks it."""
+        if not isinstance(target, torch.Tensor):
             return False
-        if record is None:
+        if self.writer is not None or record is None:
             return True
         return k < len(record.outputs) and not record.outputs[k].n_entries \
             and tuple(record.outputs[k].shape) == tuple(target.shape)
@@ -847,8 +849,8 @@ class VerifiedMode(TorchDispatchMode):
     def _fused_slot(self, func, run, rule, named, into=None):
         """``run``'s result for arguments ``named`` (float scalars on float32) from a fused kernel, or None where
         none applies (too small, not elementwise, not compiled here). ``into``: the tensor an in-place op
-        writes (``_entry_free``); the kernel writes the rounded result there where it is the op's ``self``
-        operand itself and shares memory with no other operand."""
+        writes (``_writes_in_place``); the kernel writes the rounded result there where it is the op's ``self``
+        operand itself and shares memory with no other operand (the trainer's: but at its candidates)."""
         tensors = [x for x in named.values() if isinstance(x, torch.Tensor)]
         numel = max((x.numel() for x in tensors), default=0)
         if not tensors or not FusedKernels.enabled_for(numel, max(tensors, key=torch.Tensor.numel).device):
@@ -865,7 +867,7 @@ class VerifiedMode(TorchDispatchMode):
         operands = plan.operands()
         device = operands[0].device
         extra = [torch.tensor(v, dtype=torch.float64, device=device) for v in plan.scalars] if plan.formula else []
-        target = _inplace_operand(plan, into) if into is not None and not want else None
+        target = _inplace_operand(plan, into) if into is not None else None
         try:
             built = fk.kernel(plan, run, rule.fused, c, want, target)
             if built is None:  # this op has compiled its quota of kernels
@@ -876,8 +878,9 @@ class VerifiedMode(TorchDispatchMode):
             fk._failed.add(plan.key)
             fk.warn_once(func, exc)
             return None
-        if target is not None:
-            return _FusedSlot(into.reshape(-1), None, None, None, None, plan.shape, rule.op_class)
+        if target is not None:  # the result is in ``into``; the trainer's kernel returns its candidates
+            return _FusedSlot(into.reshape(-1), out.reshape(-1) if want else None, compute if want else None,
+                              operands, extra, plan.shape, rule.op_class)
         y32, cand = (out[0], out[1]) if want else (out, None)
         return _FusedSlot(y32.reshape(-1), None if cand is None else cand.reshape(-1), compute, operands, extra,
                           plan.shape, rule.op_class)
@@ -900,9 +903,12 @@ class VerifiedMode(TorchDispatchMode):
         op_rule = rules.lookup(op, calls[0])
         if op_rule.kind != rules.APPROX or op_rule.op_class != rule.op_class or op_rule.fused is None:
             return _NOT_FUSED
+        # in place only where no tensor the op writes is read by another tensor's update: each kernel writes its
+        # tensor before the next runs, and the trainer evaluates its candidates after all of them
+        in_place = info.variant == "inplace" and _writes_apart(calls)
         slots = []
         for i, call in enumerate(calls):
-            into = call["self"] if info.variant == "inplace" and self._entry_free(record, i, call["self"]) else None
+            into = call["self"] if in_place and self._writes_in_place(record, i, call["self"]) else None
             slot = self._fused_slot(func, op, op_rule, call, into)
             if slot is None:  # small, or not compiled here: the single op in float64
                 up = {k: v.to(torch.float64) if _is_float_tensor(v) else v for k, v in call.items()}
@@ -1402,6 +1408,15 @@ def _write_back(orig: torch.Tensor, y32: torch.Tensor):
     if y32.data_ptr() == orig.data_ptr() and y32.stride() == orig.stride() and y32.dtype == orig.dtype:
         return  # the kernel wrote the result in place (_fused_slot's ``into``)
     orig.copy_(y32)
+
+
+def _writes_apart(calls) -> bool:
+    """Whether the ``self`` tensors of a foreach op's single-tensor calls share memory with no other tensor of
+    any call (nor with each other)."""
+    selves = [c["self"].untyped_storage().data_ptr() for c in calls]
+    others = {v.untyped_storage().data_ptr() for c in calls for k, v in c.items()
+              if k != "self" and isinstance(v, torch.Tensor)}
+    return len(set(selves)) == len(selves) and not others.intersection(selves)
 
 
 def _inplace_operand(plan, into: torch.Tensor):

@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from .hardware import compiled_path
-from .rounding import FLOAT32_MIN_NORMAL, Grid, kernel_test
+from .rounding import FLOAT32_MIN_NORMAL, Grid, kernel_flag
 
 aten = torch.ops.aten
 
@@ -192,8 +192,9 @@ class FusedKernels:
 
     def kernel(self, plan, func, scale_fn, c, want_cand, into=None):
         """(compiled kernel, eager compute) for ``plan``, or None where ``func`` has compiled its quota. ``into``:
-        the position of a tensor operand the kernel writes its rounded result into, returning nothing (an
-        in-place op whose result needs no candidates: the auditor's, where the log has no entry for it)."""
+        the position of a tensor operand the kernel writes its rounded result into (an in-place op's ``self``):
+        with ``want_cand`` it leaves the candidates' old values there and returns the candidates (the trainer
+        evaluates them again from the operands, then writes their results); without, it returns nothing."""
         full_key = (plan.key, c, want_cand, into)
         k = self._cache.get(full_key)
         if k is None:
@@ -224,13 +225,17 @@ class FusedKernels:
         lines.append(f"def kernel({', '.join(params)}):")
         lines.append(f"    y, s = compute({', '.join(params)})")
         lines.append(f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})")
-        if into is not None:  # written where the operand is: no float32 result to allocate and copy back
+        if into is not None and want_cand:  # written where the operand is, but at the candidates
+            lines.append(f"    f = FLAG(y, s, {float(c)!r})")
+            lines.append(f"    t{into}.copy_(torch.where(f > 0.0, t{into}, y32))")
+            lines.append("    return f.to(torch.int8)")
+        elif into is not None:  # written where the operand is: no float32 result to allocate and copy back
             lines.append(f"    t{into}.copy_(y32)")
         elif want_cand:
-            lines.append(f"    return y32, CAND(y, s, {float(c)!r})")
+            lines.append(f"    return y32, FLAG(y, s, {float(c)!r}).to(torch.int8)")
         else:
             lines.append("    return y32")
-        env = {"torch": torch, "FUNC": func, "ROUND": _round_to_grid, "CAND": kernel_test(g), "SCALE": scale_fn,
+        env = {"torch": torch, "FUNC": func, "ROUND": _round_to_grid, "FLAG": kernel_flag(g), "SCALE": scale_fn,
                "KW": plan.kw, **{f"C{i}": v for i, v in enumerate(consts)}}
         define("\n".join(lines), f"<veritrain fused kernel {next(self._ids)}: {func}>", env)
         return compile_kernel(env["kernel"]), env["compute"]
@@ -295,9 +300,9 @@ class Epilogues:
             f"def epilogue({', '.join(['y', 'coefs'] + names)}):",
             f"    s = {' + '.join(terms)}",
             f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})",
-            f"    return y32, CAND(y, s, {float(c)!r})",
+            f"    return y32, FLAG(y, s, {float(c)!r}).to(torch.int8)",
         ])
-        env = {"torch": torch, "ROUND": _round_to_grid, "CAND": kernel_test(g)}
+        env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": kernel_flag(g)}
         define(src, f"<veritrain epilogue {next(self._ids)}>", env)
         return compile_kernel(env["epilogue"])
 
@@ -505,10 +510,10 @@ class FusedSums:
             ]
         lines.append(f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})")
         if want_cand:
-            lines.append(f"    return y32, CAND(y, scale, {float(c)!r})")
+            lines.append(f"    return y32, FLAG(y, scale, {float(c)!r}).to(torch.int8)")
         else:
             lines.append("    return y32")
-        env = {"torch": torch, "ROUND": _round_to_grid, "CAND": kernel_test(g)}
+        env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": kernel_flag(g)}
         define("\n".join(lines), f"<veritrain fused sum {next(self._ids)}: {ndim}-d over {reduced}>", env)
         return compile_kernel(env["kernel"])
 

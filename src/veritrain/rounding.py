@@ -173,9 +173,9 @@ def candidate_mask(y, scale, c: float, low_mask: int, half: int, value_units: in
     return (d.view(_INT64) >> 63).to(torch.int8)
 
 
-def stability_mask(y, scale, c: float):
-    """int8 mask (1 = candidate, 0 = not) of a near-midpoint test for the float32 grid (bits = 32) that
-    compiled kernels run at about half candidate_mask's cost: y is a candidate where its rounding changes
+def stability_flag(y, scale, c: float):
+    """float32 flag (1 = candidate, 0 = not) of a near-midpoint test for the float32 grid (bits = 32) that
+    compiled kernels run at about 60% of candidate_mask's cost: y is a candidate where its rounding changes
     within b = tau (1 + 2**-40) + |y| 2**-50 of it (tau = c u scale; b = 0 where the scale is 0, so an exact
     tie of an exact result is no candidate), or where b 2**27 >= |y|.
 
@@ -198,18 +198,24 @@ def stability_mask(y, scale, c: float):
     moved = (y + b).to(torch.float32) - (y - b).to(torch.float32)  # >= 0: rounding is monotone
     wide = ((b * 2.0**27 - ay) * 2.0**200).to(torch.float32).clamp(min=0.0)
     flag = moved * 2.0**100 * 2.0**100 + wide
-    return torch.fmin(flag, torch.ones_like(flag)).to(torch.int8)
+    return torch.fmin(flag, torch.ones_like(flag))
 
 
-def kernel_test(grid: "Grid"):
-    """The near-midpoint test compiled kernels run for ``grid``, as a function of (y, scale, c): the
+def stability_mask(y, scale, c: float):
+    """stability_flag as a one-byte mask (1 = candidate)."""
+    return stability_flag(y, scale, c).to(torch.int8)
+
+
+def kernel_flag(grid: "Grid"):
+    """The near-midpoint test compiled kernels run for ``grid``, as a function of (y, scale, c) giving a float32
+    flag (1 = candidate, 0 = not; a float, so that a kernel can also select by it at vector speed): the
     stability test where the grid is float32 itself, candidate_mask's bit test on coarser grids."""
     if grid.drop == 0:
-        return stability_mask
+        return stability_flag
     low_mask, half, value_units = grid.low_mask, grid.half, grid.value_units
 
     def bit_test(y, scale, c: float):
-        return candidate_mask(y, scale, c, low_mask, half, value_units)
+        return -candidate_mask(y, scale, c, low_mask, half, value_units).to(torch.float32)
 
     return bit_test
 

@@ -7,7 +7,7 @@ import torch
 
 from veritrain import engine, fused
 from veritrain.engine import EngineConfig, step_context
-from veritrain.logformat import StepLogReader, StepLogWriter
+from veritrain.logformat import StepLogReader, StepLogWriter, read_records, write_records
 
 WIDE = EngineConfig(thresholds={"elementwise": 2.0**25})  # many log entries: the comparison covers them
 VALUES = [-1e-3, -5.257894750684500e-3, -3.6826569121330976e-3, 0.0547448731958866]
@@ -224,6 +224,48 @@ def test_an_in_place_op_writes_its_result_where_its_operand_is(tmp_path, monkeyp
     lerps = [how for f, how in builds if f is torch.ops.aten.lerp.Scalar]
     assert (True, 0) in lerps and (True, None) not in lerps, lerps  # the trainer's, in place
     assert (False, 0) in lerps and (False, None) in lerps, lerps  # the auditor's: in place, and not
+
+
+def test_a_trainer_that_drops_an_in_place_outputs_entries_and_trains_on_the_other_rounding_is_caught(
+        tmp_path, monkeypatch, builds):
+    """The attacker's side of the auditor's in-place kernels: a trainer that rounds the midpoints of a foreach
+    update the other way (as if on hardware that disagrees) and drops their log entries. The output then has
+    no entries, so the auditor's kernel writes its own rounding of every value into the tensor, and its
+    weights differ from the trainer's at every dropped entry: the checkpoint hashes disagree. An auditor
+    kernel that left its tensor's old values where it found candidates (as the trainer's does, for _record to
+    fill in) would be caught here too: its bits would not be the eager engine's."""
+    monkeypatch.setattr(engine, "_FUSED_CACHE", {})
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+    starts, ends = _lerp_tensors()
+    honest = [t.clone() for t in starts]
+    w = StepLogWriter(str(tmp_path / "honest.vtlog"), 0, 32)
+    with step_context(EngineConfig(), 0, writer=w):
+        torch._foreach_lerp_(honest, ends, 0.5)
+    w.close()
+    step, bits, ops = read_records(str(tmp_path / "honest.vtlog"))
+    (first,) = [o for op in ops for o in op.outputs if o.n_entries == starts[0].numel()]  # every value a midpoint
+    assert len(first.dir_pos) == starts[0].numel()
+    first.dir_pos, first.dir_bits = first.dir_pos[:0], first.dir_bits[:0]  # dropped
+    write_records(str(tmp_path / "dropped.vtlog"), step, bits, ops)
+    # the trainer's weights: the other neighbour of every midpoint
+    claimed = torch.where(honest[0] == starts[0], ends[0], starts[0])
+    assert not torch.equal(claimed, honest[0]) and torch.equal(claimed.double() + honest[0].double(),
+                                                                starts[0].double() + ends[0].double())
+
+    audited = {}
+    for compile_mode in ("1", "0"):
+        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+        replay = [t.clone() for t in starts]
+        with StepLogReader(str(tmp_path / "dropped.vtlog"), expect_step=0, expect_bits=32) as r:
+            with step_context(EngineConfig(), 0, reader=r) as mode:
+                torch._foreach_lerp_(replay, ends, 0.5)
+        assert mode.stats.suspicious_count == 0  # no entry to judge: the weights tell
+        audited[compile_mode] = replay
+    assert (False, 0) in [how for f, how in builds if f is torch.ops.aten.lerp.Scalar]  # the auditor wrote in place
+    assert all(torch.equal(a, b) for a, b in zip(audited["1"], audited["0"]))  # = the eager engine
+    assert torch.equal(audited["1"][0], honest[0])  # its own rounding (no entry said otherwise)...
+    assert (audited["1"][0] != claimed).all()  # ...so every dropped entry shows in the weights
+    assert torch.equal(audited["1"][1], honest[1])
 
 
 def test_a_foreach_op_on_tensors_that_are_each_others_operands_updates_each_from_the_old_values(tmp_path,

@@ -818,18 +818,15 @@ class VerifiedMode(TorchDispatchMode):
         named = _named(func, args2, kwargs2)
         if info.variant == "out":
             named = {k: v for k, v in named.items() if k not in info.targets}
-        into = None
-        if info.variant == "inplace":
-            target = _named(func, args, kwargs)[info.targets[0]]
-            into = target if self._writes_in_place(record, 0, target) else None
+        target = _named(func, args, kwargs)[info.targets[0]] if info.variant in ("inplace", "out") else None
+        into = target if info.variant == "inplace" and self._writes_in_place(record, 0, target) else None
         slot = self._fused_slot(func, run, rule, named, into)
         if slot is None:
             return _NOT_FUSED
         final = self._finish_op(func, record, scalars, [slot])[0].view(slot.shape)
-        if info.variant in ("inplace", "out"):
-            orig = _named(func, args, kwargs)[info.targets[0]]
-            _write_back(orig, final)
-            return orig if func._schema.returns else None
+        if target is not None:
+            _write_back(target, final)
+            return target if func._schema.returns else None
         return final
 
     def _writes_in_place(self, record, k, target) -> bool:

@@ -52,9 +52,12 @@ def test_variants_are_real_and_veritrain_reproduces_every_checkpoint(runs):
         (unchanged if r["accepted"] else changed).add(v)
         if not r["accepted"]:
             assert any("differs from the trainer" in reason for reason in r["reasons"]), r["reasons"]
+        if len(changed) == 3:  # enough to show the variants are real (each audit is a process: CI's time)
+            break
     # which variants change float32 bits depends on the CPU the tests run on (an AVX2-only machine *is*
     # isa-avx2, and its oneDNN may pick the same kernels under onednn-avx2): measured here, not assumed
-    print(f"{task}/{optimizer} on {NATIVE}: float32 changed under {sorted(changed)}, unchanged under {sorted(unchanged)}")
+    print(f"{task}/{optimizer} on {NATIVE}: float32 changed under {sorted(changed)}, unchanged under "
+          f"{sorted(unchanged)} (the rest not audited)")
     assert len(changed) >= 3, f"{task}/{optimizer} on {NATIVE}: only {sorted(changed)} change plain float32 results"
 
     for v in VARIANTS:

@@ -19,6 +19,7 @@ import itertools
 import linecache
 import math
 import os
+import platform
 import threading
 import warnings
 
@@ -30,18 +31,30 @@ from .rounding import FLOAT32_MIN_NORMAL, Grid, kernel_flag
 aten = torch.ops.aten
 
 
+# the target the C++ compiler gets for the vector ISA that ATEN_CPU_CAPABILITY asks for: the code of a real
+# machine with that ISA, not -march=native with narrower vectors
+ISA_TARGETS = {"avx2": "x86-64-v3"}
+
+
 def isolate_compile_cache() -> str:
-    """Give compiled kernels a cache of their own per vector ISA.
+    """Give compiled kernels a cache of their own per vector ISA, and the compiler target of that ISA.
 
     torch.compile's CPU code generator picks its vector ISA from ATEN_CPU_CAPABILITY, but its on-disk
     cache does not tell ISAs apart: a process that loads kernels cached by a process with another
-    setting can compute garbage or corrupt memory (seen here). Called before anything is compiled."""
+    setting can compute garbage or corrupt memory (seen here). And it still compiles for -march=native:
+    on an AVX-512 machine, AVX2 code so compiled (GCC 12, torch 2.13) returned float64 values unchanged
+    through a rounding to float32 and back, which a real AVX2 machine's code rounds (seen here: a captured
+    softmax's sum of rounded values took the unrounded ones, and audits under isa-avx2 failed). So an
+    ISA named there compiles for that ISA's own target (ISA_TARGETS). Called before anything is compiled."""
+    from torch._inductor import config
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     base = os.environ.get("VERITRAIN_COMPILE_CACHE") or default_cache_dir()
     isa = os.environ.get("ATEN_CPU_CAPABILITY") or "auto"
     path = os.path.join(base, f"veritrain-torch{torch.__version__}-isa-{isa}")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    if isa in ISA_TARGETS and platform.machine() in ("x86_64", "AMD64") and config.cpp.march is None:
+        config.cpp.march = ISA_TARGETS[isa]
     return path
 
 

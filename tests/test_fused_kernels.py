@@ -343,3 +343,31 @@ def test_compiled_code_under_every_vector_isa_rounds_to_float32_and_back_again(t
     p = subprocess.run([sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split()[-1] == "0", f"{variant}: {p.stdout.split()[-1]} of 4099 values not rounded"
+
+
+def test_compiled_paths_are_off_where_the_compiled_code_does_not_round(monkeypatch):
+    """The first compiled path asked for checks the process's compiled code against the eager rounding
+    (fused.compiled_code_rounds). A compiler that returns float64 values unchanged through the rounding (as
+    AVX2 code built for an AVX-512 target did) turns every compiled path off, with a warning, and the engine
+    runs its eager ops; where the code rounds, the paths stay on."""
+    from veritrain import hardware
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+    monkeypatch.setattr(hardware, "_compiler_ok", None)
+    monkeypatch.setattr(fused, "_compiler_verdict", None)
+    assert hardware.compiled_path(1, "cpu", "VERITRAIN_COMPILE_MIN_NUMEL", 1)  # this machine's compiler
+
+    monkeypatch.setattr(hardware, "_compiler_ok", None)
+    monkeypatch.setattr(fused, "_compiler_verdict", None)
+    real = fused.compile_kernel
+    monkeypatch.setattr(fused, "compile_kernel", lambda fn, **kw: real(lambda y: y) if fn.__name__ == "round_trip"
+                        else real(fn, **kw))  # the miscompile: no rounding on the way
+    with pytest.warns(UserWarning, match="does not round"):
+        assert not hardware.compiled_path(1, "cpu", "VERITRAIN_COMPILE_MIN_NUMEL", 1)
+    assert not fused.FusedKernels.enabled_for(1 << 20, torch.device("cpu"))
+    monkeypatch.setattr(engine, "_FUSED_CACHE", {})
+    x = torch.rand(300, 300, generator=torch.Generator().manual_seed(2)) + 0.5
+    with step_context(WIDE, 0):
+        y = torch.exp(x)
+    assert not engine._FUSED_CACHE or not any(fk._cache for fk in engine._FUSED_CACHE.values())
+    assert torch.equal(y, torch.exp(x.double()).float())

@@ -218,14 +218,27 @@ def compiled_path(numel: int, device, min_numel_variable: str, default_min_numel
     compiled paths on CUDA left the CPU's bits within two steps, without a log entry to say so, and failed
     its CPU audit; the eager engine on CUDA gave the CPU's bits exactly. On a CPU ``VERITRAIN_COMPILE``
     decides: 1 always, 0 never; by default ops with at least ``min_numel_variable`` (an environment
-    variable; ``default_min_numel`` if unset) elements."""
+    variable; ``default_min_numel`` if unset) elements. And only where this process's compiled code rounds
+    as eager ops do (fused.compiled_code_rounds: checked once)."""
     if getattr(device, "type", device if isinstance(device, str) else "").split(":")[0] != "cpu":
         return False
     env = _pinned if _pinned is not None else os.environ
     mode = env.get("VERITRAIN_COMPILE", "auto")
-    if mode in ("0", "1"):
-        return mode == "1"
-    return numel >= int(env.get(min_numel_variable, default_min_numel))
+    if mode == "0" or (mode != "1" and numel < int(env.get(min_numel_variable, default_min_numel))):
+        return False
+    return _compiled_code_rounds()
+
+
+def _compiled_code_rounds() -> bool:
+    """fused.compiled_code_rounds, checked the first time a compiled path is asked for."""
+    if _compiler_ok is None:
+        from . import fused
+
+        globals()["_compiler_ok"] = fused.compiled_code_rounds()
+    return _compiler_ok
+
+
+_compiler_ok: bool | None = None
 
 
 _pinned: dict | None = None  # the VERITRAIN_* settings while steps run (pinned_settings)

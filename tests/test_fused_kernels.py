@@ -5,7 +5,7 @@ and its results and log are the eager engine's for each value."""
 import pytest
 import torch
 
-from veritrain import engine, fused
+from veritrain import engine, fused, hardware
 from veritrain.engine import EngineConfig, step_context
 from veritrain.logformat import StepLogReader, StepLogWriter, read_records, write_records
 
@@ -94,6 +94,7 @@ def test_a_kernel_compiles_once_whatever_the_callers_grad_mode(monkeypatch):
     monkeypatch.setenv("VERITRAIN_COMPILE", "1")
     monkeypatch.setattr(engine, "_FUSED_CACHE", {})  # a kernel of its own, compiled in this test
     x = torch.rand(64, 64, generator=torch.Generator().manual_seed(2)) + 0.5
+    assert hardware.compiled_path(x.numel(), x.device, "VERITRAIN_COMPILE_MIN_NUMEL", 1)  # its compiler check: before
     before = counters["stats"]["unique_graphs"]
     with step_context(WIDE, 0):
         with torch.enable_grad():
@@ -350,15 +351,12 @@ def test_compiled_paths_are_off_where_the_compiled_code_does_not_round(monkeypat
     (fused.compiled_code_rounds). A compiler that returns float64 values unchanged through the rounding (as
     AVX2 code built for an AVX-512 target did) turns every compiled path off, with a warning, and the engine
     runs its eager ops; where the code rounds, the paths stay on."""
-    from veritrain import hardware
 
     monkeypatch.setenv("VERITRAIN_COMPILE", "1")
     monkeypatch.setattr(hardware, "_compiler_ok", None)
-    monkeypatch.setattr(fused, "_compiler_verdict", None)
     assert hardware.compiled_path(1, "cpu", "VERITRAIN_COMPILE_MIN_NUMEL", 1)  # this machine's compiler
 
     monkeypatch.setattr(hardware, "_compiler_ok", None)
-    monkeypatch.setattr(fused, "_compiler_verdict", None)
     real = fused.compile_kernel
     monkeypatch.setattr(fused, "compile_kernel", lambda fn, **kw: real(lambda y: y) if fn.__name__ == "round_trip"
                         else real(fn, **kw))  # the miscompile: no rounding on the way

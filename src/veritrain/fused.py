@@ -87,37 +87,31 @@ def compile_kernel(fn, fullgraph: bool = True):
     return torch.no_grad()(torch.compile(fn, dynamic=True, fullgraph=fullgraph))
 
 
-_CHECK_SOURCE = """def round_trip(y):
-    return ROUND(y, 0, 29, 268435456, 536870911, 1.401298464324817e-45).to(torch.float64)
-"""
-_compiler_verdict: bool | None = None
-
-
 def compiled_code_rounds() -> bool:
-    """Whether this process's compiled code rounds float64 values to float32 as the eager ops do: checked
-    once, by compiling the rounding and its way back to float64 and comparing on values of every kind
-    (between grid points, at midpoints, subnormal, huge, infinite, NaN). The compiled paths take the
-    compiled code as another correct float64 evaluation; a compiler that breaks that (AVX2 code built for
-    an AVX-512 target skipped the rounding: ISA_TARGETS) would make an honest trainer's run fail its audit,
-    or an auditor reject one. Where the check fails, or nothing compiles, the compiled paths are off
-    (hardware.compiled_path): the eager engine gives the same bits, slower."""
-    global _compiler_verdict
-    if _compiler_verdict is None:
-        _compiler_verdict = False  # while checking (and if the check raises)
-        try:
-            env = define(_CHECK_SOURCE, "<veritrain compiler check>", {"torch": torch, "ROUND": _round_to_grid})
-            y = torch.cat([torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64) / 3.0,
-                           torch.tensor([1.0 + 2.0 ** -24, 2.0 ** -140 * 1.3, 3.4e38, 1e300, -1e-300, math.inf,
-                                         math.nan], dtype=torch.float64)])
-            got = compile_kernel(env["round_trip"])(y)
-            ok = torch.equal(got.view(torch.int64), y.to(torch.float32).to(torch.float64).view(torch.int64))
-            if not ok:
-                warnings.warn("veritrain: this process's compiled code does not round float64 values to float32 as "
-                              "eager ops do; compiled kernels are off (same results, slower)")
-            _compiler_verdict = ok
-        except Exception as exc:
-            FusedKernels.warn_once(None, exc)
-    return _compiler_verdict
+    """Whether this process's compiled code rounds float64 values to float32 as the eager ops do, by
+    compiling the rounding and its way back to float64 and comparing on values of every kind (between grid
+    points, at midpoints, subnormal, huge, infinite, NaN). The compiled paths take the compiled code as
+    another correct float64 evaluation; a compiler that breaks that (AVX2 code built for an AVX-512 target
+    skipped the rounding: ISA_TARGETS) would make an honest trainer's run fail its audit, or an auditor
+    reject one. hardware.compiled_path asks once per process and, where this is False (or nothing
+    compiles), keeps the compiled paths off: the eager engine gives the same bits, slower."""
+    g = Grid(32)
+    rounded = f"ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})"
+    source = f"def round_trip(y):\n    return {rounded}.to(torch.float64)\n"
+    try:
+        env = define(source, "<veritrain compiler check>", {"torch": torch, "ROUND": _round_to_grid})
+        y = torch.cat([torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64) / 3.0,
+                       torch.tensor([1.0 + 2.0 ** -24, 2.0 ** -140 * 1.3, 3.4e38, 1e300, -1e-300, math.inf, math.nan],
+                                    dtype=torch.float64)])
+        got = compile_kernel(env["round_trip"])(y)
+    except Exception as exc:
+        FusedKernels.warn_once(None, exc)
+        return False
+    if torch.equal(got.view(torch.int64), y.to(torch.float32).to(torch.float64).view(torch.int64)):
+        return True
+    warnings.warn("veritrain: this process's compiled code does not round float64 values to float32 as eager ops "
+                  "do; compiled kernels are off (same results, slower)")
+    return False
 
 
 # Ops whose float scalar arguments change from call to call (learning rates, weights) get a formula that

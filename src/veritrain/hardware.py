@@ -226,19 +226,19 @@ def compiled_path(numel: int, device, min_numel_variable: str, default_min_numel
     mode = env.get("VERITRAIN_COMPILE", "auto")
     if mode == "0" or (mode != "1" and numel < int(env.get(min_numel_variable, default_min_numel))):
         return False
-    return _compiled_code_rounds()
+    return _compiler_ok if _compiler_ok is not None else _check_compiler()
 
 
-def _compiled_code_rounds() -> bool:
-    """fused.compiled_code_rounds, checked the first time a compiled path is asked for."""
-    if _compiler_ok is None:
-        from . import fused
+_compiler_ok: bool | None = None  # fused.compiled_code_rounds, asked the first time a compiled path is
 
-        globals()["_compiler_ok"] = fused.compiled_code_rounds()
+
+def _check_compiler() -> bool:
+    global _compiler_ok
+    from . import fused
+
+    _compiler_ok = False  # while it compiles: no compiled path meanwhile
+    _compiler_ok = fused.compiled_code_rounds()
     return _compiler_ok
-
-
-_compiler_ok: bool | None = None
 
 
 _pinned: dict | None = None  # the VERITRAIN_* settings while steps run (pinned_settings)

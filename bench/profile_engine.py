@@ -139,8 +139,10 @@ def _targets():
         (rounding.Grid, "spacing_at", "classify"),
         (engine.VerifiedMode, "_replay", "classify"),
         (logformat.StepLogWriter, "op", "log"),
+        (logformat.StepLogWriter, "quiet_ops", "log"),  # a captured region's records
         (logformat.StepLogWriter, "close", "log"),
         (logformat.StepLogReader, "next_op", "log"),
+        (logformat.StepLogReader, "skip_quiet", "log"),
         (logformat.StepLogReader, "__init__", "log"),
     ]
 

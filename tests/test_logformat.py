@@ -9,8 +9,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veritrain.logformat import (MAGIC, LogFormatError, OpRecord, OutputEntries, StepLogReader, StepLogWriter,
-                                 decode_varints, dense_encoding_bytes, encode_varints, gaps_to_positions,
+from veritrain.logformat import (MAGIC, LogFormatError, OpRecord, OutputEntries, QuietRun, StepLogReader,
+                                 StepLogWriter, decode_varints, dense_encoding_bytes, encode_varints, gaps_to_positions,
                                  positions_to_gaps, read_records, write_records)
 
 
@@ -67,6 +67,82 @@ def test_log_round_trip(tmp_path_factory, ops, step, bits):
             assert tuple(o.shape) == p.shape
             assert o.dir_pos.tolist() == p.dir_pos.tolist() and o.dir_bits.tolist() == p.dir_bits.tolist()
             assert o.val_pos.tolist() == p.val_pos.tolist() and o.val_bits.tolist() == p.val_bits.tolist()
+
+
+@st.composite
+def quiet_records(draw):
+    """(name, scalars, shapes, rounded values) per op: records without tensor entries, as a captured region's."""
+    out = []
+    for _ in range(draw(st.integers(1, 6))):
+        name = draw(st.sampled_from(["aten.mean.dim", "aten.rsqrt.default", "aten.add.Tensor", "op/ü"]))
+        scalars = draw(st.lists(st.tuples(st.integers(0, 200), st.booleans()), max_size=3))
+        shapes = [tuple(draw(st.lists(st.integers(1, 300), max_size=3))) for _ in range(draw(st.integers(0, 3)))]
+        out.append((name, scalars, shapes, sum(int(np.prod(s)) for s in shapes)))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(quiet_records(), st.integers(0, 2))
+def test_a_quiet_run_is_written_and_read_as_its_records_one_by_one(tmp_path_factory, records, known):
+    """``StepLogWriter.quiet_ops`` writes the bytes ``op`` writes for each record (its names new or already
+    in the file), and ``StepLogReader.skip_quiet`` consumes exactly those bytes, with the END totals right."""
+    d = tmp_path_factory.mktemp("quiet")
+    run = QuietRun(records)
+
+    def write(path, quiet):
+        w = StepLogWriter(str(path), 5, 32)
+        for r in range(1 + known):  # the names are new in the first pass, known in later ones
+            if quiet and r == known:
+                w.quiet_ops(run)
+            else:
+                for name, scalars, shapes, rounded in records:
+                    w.op(name, scalars, [OutputEntries(s) for s in shapes], rounded)
+        w.op("aten.mm.default", [], [OutputEntries((2, 3), np.array([4]), np.array([True]))], 6)
+        w.close()
+        return path.read_bytes()
+
+    assert write(d / "quiet.vtlog", True) == write(d / "ops.vtlog", False)
+    r = StepLogReader(str(d / "quiet.vtlog"), expect_step=5)
+    for _ in range(known * len(records)):
+        r.next_op()
+    assert r.skip_quiet(run) == (known > 0)  # a name not yet in the file: read record by record
+    if not known:
+        assert [r.next_op().name for _ in records] == run.names
+    assert r.next_op().outputs[0].dir_pos.tolist() == [4]
+    assert r.next_op() is None  # END read, its totals checked against what was consumed
+    r.close()
+
+
+def test_skip_quiet_reads_nothing_unless_the_bytes_are_the_honest_ones(tmp_path):
+    """Another scalar bit, an entry, another shape or name, records given back, or a log that ends: False,
+    and the next record is the one that was next before."""
+    honest = [("aten.mean.dim", [(2, False)], [(4, 3)], 12), ("aten.rsqrt.default", [], [(3,)], 3)]
+    run = QuietRun(honest)
+    variants = {
+        "honest": honest,
+        "scalar bit": [("aten.mean.dim", [(2, True)], [(4, 3)], 12), honest[1]],
+        "shape": [honest[0], ("aten.rsqrt.default", [], [(4,)], 4)],
+        "name": [honest[0], ("aten.sqrt.default", [], [(3,)], 3)],
+        "entry": [honest[0], ("aten.rsqrt.default", [], [(3,)], 3, [1])],
+        "ends early": [honest[0]],
+    }
+    for label, recs in variants.items():
+        path = str(tmp_path / f"{label}.vtlog")
+        w = StepLogWriter(path, 0, 32)
+        for pass_ in range(2):  # the first pass gives every name its id
+            for name, scalars, shapes, rounded, *entry in (honest if pass_ == 0 else recs):
+                pos = np.array(entry[0] if entry else [], np.int64)
+                w.op(name, scalars, [OutputEntries(s, pos, np.ones(len(pos), bool)) for s in shapes], rounded)
+        w.close()
+        r = StepLogReader(path)
+        first = [r.next_op() for _ in honest]
+        assert r.skip_quiet(run) == (label == "honest"), label
+        if label != "honest":
+            assert r.next_op().name == recs[0][0], label
+        r.unread(first)
+        assert not r.skip_quiet(run)  # records given back come first
+        assert r.next_op().name == honest[0][0]
+        r.close()
 
 
 def sample_log(tmp_path, step=3):

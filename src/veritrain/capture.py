@@ -29,6 +29,10 @@ step by step under the engine, exactly as without capture (``fallback``):
 * anything the lowering does not cover (random ops, writes other than a copy into an argument, float64
   operands, other grids than float32, a tensor from outside the call): that signature stays eager.
 
+The trainer writes a replayed region's records as one byte string and the auditor matches them as one
+(logformat.QuietRun): the records of ~20 ops cost a dict lookup and a comparison, not ~20 encodings or parses.
+Bytes other than the honest ones are parsed record by record and compared with the templates, as above.
+
 A signature whose recorded calls needed log entries, or whose replays keep falling back (a language model's
 log-softmax over its vocabulary has candidates in most steps), stays eager. ``enabled_for`` says where
 capture runs; tests/test_capture.py holds it to the eager engine.
@@ -46,7 +50,7 @@ import torch
 from . import decompositions, rules
 from .fused import FusedKernels, _round_to_grid, define
 from .hardware import compiled_path
-from .logformat import OutputEntries
+from .logformat import OpRecord, OutputEntries, QuietRun
 from .rounding import kernel_flag
 
 aten = torch.ops.aten
@@ -78,6 +82,7 @@ class Region:
 
     def __init__(self, n_inputs, lines, env, templates, results, mutations, want_cand):
         self.n_inputs, self.templates, self.results, self.mutations = n_inputs, templates, results, mutations
+        self.quiet = QuietRun((t.label, t.scalars, t.shapes, t.rounded) for t in templates)  # their log records
         self.want_cand = want_cand
         self.source = "\n".join(lines)
         self._env = env
@@ -213,7 +218,11 @@ def _record(mode, func, args, kwargs, key, tensors):
                                 rounded))
             return write(name, scalars, outputs, rounded)
 
-        writer.op = op
+        def quiet_ops(run):  # a region replayed inside this call: its records one by one, as the eager engine's
+            for name, scalars, shapes, rounded in run.records:
+                op(name, scalars, [OutputEntries(shape) for shape in shapes], rounded)
+
+        writer.op, writer.quiet_ops = op, quiet_ops
     entries = _entries(mode.stats)
     mode.recorder = rec
     try:
@@ -221,7 +230,7 @@ def _record(mode, func, args, kwargs, key, tensors):
     finally:
         mode.recorder = None
         if writer is not None:
-            del writer.op
+            del writer.op, writer.quiet_ops
     if _entries(mode.stats) > entries:
         # a call that needed log entries: its replay would fall back; capture a later, quiet call instead
         noisy = _CACHE.get(key, 0) + 1
@@ -438,22 +447,27 @@ def _replay(mode, func, args, kwargs, region: Region, tensors):
     reader, writer = mode.reader, mode.writer
     read = []
     if reader is not None:
-        for t in region.templates:
-            rec = reader.next_op()
-            if rec is not None:
-                read.append(rec)
-            if rec is None or rec.name != t.label or [tuple(o.shape) for o in rec.outputs] != t.shapes \
-                    or any(o.n_entries for o in rec.outputs) or [(int(p), bool(b)) for p, b in rec.scalars] != t.scalars:
-                reader.unread(read)  # the eager engine reads them again, and applies and checks what they say
-                region.fallbacks += 1
-                return fallback(mode, func, args, kwargs)
+        if reader.skip_quiet(region.quiet):  # the honest bytes: they parse to the templates
+            read = None
+        else:
+            for t in region.templates:
+                rec = reader.next_op()
+                if rec is not None:
+                    read.append(rec)
+                if rec is None or rec.name != t.label or [tuple(o.shape) for o in rec.outputs] != t.shapes \
+                        or any(o.n_entries for o in rec.outputs) \
+                        or [(int(p), bool(b)) for p, b in rec.scalars] != t.scalars:
+                    reader.unread(read)  # the eager engine reads them again, and applies and checks what they say
+                    region.fallbacks += 1
+                    return fallback(mode, func, args, kwargs)
     try:
         results, new_values, flag = region.run(tensors)
     except Exception as exc:  # compile or run failure: eager from now on, same results
         region.broken = True
         FusedKernels.warn_once(func, exc)
-        if reader is not None:
-            reader.unread(read)
+        if reader is not None:  # the records consumed, as the eager engine will read them
+            reader.unread(read if read is not None else
+                          [OpRecord(t.label, list(t.scalars), list(t.entries)) for t in region.templates])
         return fallback(mode, func, args, kwargs)
     if flag is not None and bool(flag):  # a candidate: the eager engine classifies and logs it
         region.fallbacks += 1
@@ -468,7 +482,8 @@ def _replay(mode, func, args, kwargs, region: Region, tensors):
             stats.entries_scalar += len(t.scalars)
         if writer is not None:
             stats.analysed += t.analysed
-            writer.op(t.label, t.scalars, t.entries, t.rounded)
+    if writer is not None:
+        writer.quiet_ops(region.quiet)
     for k, value in zip(region.mutations, new_values):
         tensors[k].copy_(value)
     structure, names = region.results

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -183,6 +184,40 @@ def gaps_to_positions(gaps: np.ndarray) -> np.ndarray:
     return np.cumsum(gaps + 1) - 1
 
 
+def _op_head(nid: int, scalars) -> bytes:
+    """An OP record up to its outputs: tag, name id, scalar entries."""
+    parts = [_O, _varint(nid), _varint(len(scalars))]
+    for pos, bit in scalars:
+        parts.append(_varint(pos) + (b"\x01" if bit else b"\x00"))
+    return b"".join(parts)
+
+
+class QuietRun:
+    """A fixed sequence of OP records without tensor entries (a captured region's: capture.py), encoded once
+    per assignment of name ids, so that a writer emits it and a reader matches it as one byte string. The
+    bytes are exactly what ``StepLogWriter.op`` writes for each record in turn."""
+
+    def __init__(self, records):
+        """``records``: (name, scalars [(arg_position, bit)], output shapes, rounded values) per op."""
+        self.records = [(name, list(scalars), [tuple(s) for s in shapes], int(rounded))
+                        for name, scalars, shapes, rounded in records]
+        self.names = [r[0] for r in self.records]
+        self.n_scalar = sum(len(r[1]) for r in self.records)
+        self.rounded = sum(r[3] for r in self.records)
+        self.numel = sum(math.prod(s) for r in self.records for s in r[2])
+        self._bytes: dict = {}  # name ids -> encoded records
+
+    def encoded(self, nids: tuple) -> bytes:
+        raw = self._bytes.get(nids)
+        if raw is None:
+            raw = b"".join(_op_head(nid, scalars) + _varint(len(shapes))
+                           + b"".join(_shape_bytes(shape) + _NO_ENTRIES for shape in shapes)
+                           for nid, (_, scalars, shapes, _) in zip(nids, self.records))
+            if len(self._bytes) < 16:
+                self._bytes[nids] = raw
+        return raw
+
+
 # --- writer ---------------------------------------------------------------------------------------
 
 
@@ -214,10 +249,7 @@ class StepLogWriter:
             nid = self._names[name] = len(self._names)
             raw = name.encode()
             self._emit(_N + _varint(nid) + _varint(len(raw)) + raw)
-        parts = [_O, _varint(nid), _varint(len(scalars))]
-        for pos, bit in scalars:
-            parts.append(_varint(pos) + bytes([1 if bit else 0]))
-        parts.append(_varint(len(outputs)))
+        parts = [_op_head(nid, scalars), _varint(len(outputs))]
         for o in outputs:
             parts.append(_shape_bytes(o.shape))
             if not len(o.dir_pos) and not len(o.val_pos):  # most outputs: what the general case encodes
@@ -235,6 +267,20 @@ class StepLogWriter:
         self.totals.n_ops += 1
         self.totals.rounded_values += rounded_values
         self._emit(b"".join(parts))
+
+    def quiet_ops(self, run: QuietRun):
+        """``op`` for each of ``run``'s records, as one byte string where every name already has its id (a
+        NAME record goes right before its name's first OP record, so a new name takes the general path)."""
+        ids = self._names
+        nids = tuple(ids.get(name, -1) for name in run.names)
+        if -1 in nids:
+            for name, scalars, shapes, rounded in run.records:
+                self.op(name, scalars, [OutputEntries(shape) for shape in shapes], rounded)
+            return
+        self._emit(run.encoded(nids))
+        self.totals.n_scalar += run.n_scalar
+        self.totals.n_ops += len(run.records)
+        self.totals.rounded_values += run.rounded
 
     def close(self) -> dict:
         t = self.totals
@@ -300,6 +346,7 @@ class StepLogReader:
         self._buf = bytearray()
         self._pos = 0
         self._names: list[str] = []
+        self._ids: dict[str, int] = {}  # name -> its first id (a hostile log may repeat a name)
         self.totals = StepTotals()
         self.end: StepTotals | None = None
         self._unread: list[OpRecord] = []  # records given back (unread), returned again first
@@ -378,9 +425,11 @@ class StepLogReader:
                 if nid != len(self._names) or length > MAX_NAME:
                     raise LogFormatError(f"{self.source}: bad name table entry")
                 try:
-                    self._names.append(self._read(length).decode())
+                    name = self._read(length).decode()
                 except UnicodeDecodeError:
                     raise LogFormatError(f"{self.source}: op name is not UTF-8") from None
+                self._ids.setdefault(name, nid)
+                self._names.append(name)
             elif tag == _O:
                 return self._op()
             elif tag == _E:
@@ -388,6 +437,29 @@ class StepLogReader:
                 return None
             else:
                 raise LogFormatError(f"{self.source}: unknown record tag {tag!r}")
+
+    def skip_quiet(self, run: QuietRun) -> bool:
+        """Consume ``run``'s records if the log's next bytes are exactly their encoding (what an honest trainer
+        writes for them; they then parse to those records), and say so; otherwise read nothing and return False
+        (the caller reads record by record, which takes every other encoding and names every problem)."""
+        if self._unread or self.end is not None:
+            return False
+        nids = tuple(self._ids.get(name, -1) for name in run.names)
+        if -1 in nids:
+            return False
+        raw = run.encoded(nids)
+        while len(self._buf) - self._pos < len(raw):
+            if not self._feed():
+                return False
+        pos = self._pos
+        if self._buf[pos: pos + len(raw)] != raw:
+            return False
+        self._pos = pos + len(raw)
+        self.totals.n_scalar += run.n_scalar
+        self.totals.n_ops += len(run.records)
+        self._numel_total += run.numel
+        self.index += len(run.records)
+        return True
 
     def unread(self, records: list):
         """Give back ``records`` (the last ones ``next_op`` returned, in order): ``next_op`` returns them again."""

@@ -145,6 +145,41 @@ def test_skip_quiet_reads_nothing_unless_the_bytes_are_the_honest_ones(tmp_path)
         r.close()
 
 
+def test_a_logs_bytes_do_not_depend_on_the_logs_written_before_it(tmp_path):
+    """Writers reuse their thread's compressors (logformat._compressors): a log written after others, or while
+    another is open, has the bytes of the same log written by a fresh thread, and reads back."""
+    import threading
+
+    from veritrain import logformat
+
+    ops = [OpRecord("aten.mm.default", [], [OutputEntries((40, 50), np.arange(0, 2000, 7), np.arange(286) % 3 == 0)]),
+           OpRecord("aten.exp.default", [(1, True)], [OutputEntries((3,))])]
+    # more than the writer buffers (64 KiB), so its compressor is mid-frame while the other writer runs
+    other = [OpRecord("aten.add.Tensor", [], [OutputEntries((10**6,), np.arange(0, 10**6, 3), np.arange(333334) % 5 == 0)])]
+
+    def fresh():
+        write_records(str(tmp_path / "fresh.vtlog"), 7, 32, ops)
+
+    t = threading.Thread(target=fresh)
+    t.start()
+    t.join()
+    want = (tmp_path / "fresh.vtlog").read_bytes()
+    write_records(str(tmp_path / "other.vtlog"), 7, 32, other)
+    reused = logformat._compressors()[-1]
+    write_records(str(tmp_path / "after.vtlog"), 7, 32, ops)
+    assert logformat._compressors()[-1] is reused  # the same compressor wrote it
+    a = StepLogWriter(str(tmp_path / "a.vtlog"), 7, 32)  # two open at once: each its own compressor
+    b = StepLogWriter(str(tmp_path / "b.vtlog"), 7, 32)
+    for w, records in ((a, other), (b, ops), (a, ops)):
+        for r in records:
+            w.op(r.name, r.scalars, r.outputs, sum(int(np.prod(o.shape)) for o in r.outputs))
+    b.close()
+    a.close()
+    assert (tmp_path / "after.vtlog").read_bytes() == want
+    assert (tmp_path / "b.vtlog").read_bytes() == want
+    assert [r.name for r in read_records(str(tmp_path / "a.vtlog"))[2]] == ["aten.add.Tensor"] + [r.name for r in ops]
+
+
 def sample_log(tmp_path, step=3):
     ops = [OpRecord("aten.mm.default", [], [OutputEntries((4, 5), np.array([1, 7]), np.array([True, False]),
                                                             np.array([19]), np.array([0x3F800000], np.uint32))]),

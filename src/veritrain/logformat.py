@@ -22,6 +22,7 @@ import hashlib
 import io
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -220,6 +221,19 @@ class QuietRun:
 
 # --- writer ---------------------------------------------------------------------------------------
 
+_THREAD = threading.local()
+
+
+def _compressors() -> list:
+    """This thread's compressors between logs: a new level-10 compressor allocates its tables each time
+    (about 0.2 ms, a tenth of a small model's float64 step); one whose frame has ended starts the next
+    frame from scratch, so a log's bytes do not depend on what was written before (tests/test_logformat.py)."""
+    free = getattr(_THREAD, "free", None)
+    if free is None:
+        free = _THREAD.free = []
+    return free
+
+
 
 class StepLogWriter:
     """Streams one step's records into ``path`` (atomically: temporary name, fsync, rename)."""
@@ -230,8 +244,9 @@ class StepLogWriter:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(self.tmp, "wb")
         self._file.write(MAGIC)
-        self._z = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).stream_writer(
-            self._file, closefd=False)
+        free = _compressors()
+        self._compressor = free.pop() if free else zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+        self._z = self._compressor.stream_writer(self._file, closefd=False)
         self._names: dict[str, int] = {}
         self.totals = StepTotals()
         self._buf = bytearray()
@@ -289,6 +304,7 @@ class StepLogWriter:
         self._z.write(bytes(self._buf))
         self._buf.clear()
         self._z.close()  # ends the frame (a flush before it would append a second, empty frame)
+        _compressors().append(self._compressor)  # its frame ended: the next log of this thread starts a new one
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

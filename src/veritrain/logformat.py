@@ -234,7 +234,6 @@ def _compressors() -> list:
     return free
 
 
-
 class StepLogWriter:
     """Streams one step's records into ``path`` (atomically: temporary name, fsync, rename)."""
 
@@ -304,7 +303,9 @@ class StepLogWriter:
         self._z.write(bytes(self._buf))
         self._buf.clear()
         self._z.close()  # ends the frame (a flush before it would append a second, empty frame)
-        _compressors().append(self._compressor)  # its frame ended: the next log of this thread starts a new one
+        free = _compressors()
+        if len(free) < 4:  # its frame ended: the next log of this thread starts a new one (a few kept, not all)
+            free.append(self._compressor)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

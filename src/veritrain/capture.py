@@ -83,6 +83,7 @@ class Region:
     def __init__(self, n_inputs, lines, env, templates, results, mutations, want_cand):
         self.n_inputs, self.templates, self.results, self.mutations = n_inputs, templates, results, mutations
         self.quiet = QuietRun((t.label, t.scalars, t.shapes, t.rounded) for t in templates)  # their log records
+        self.analysed = sum(t.analysed for t in templates)
         self.want_cand = want_cand
         self.source = "\n".join(lines)
         self._env = env
@@ -473,17 +474,15 @@ def _replay(mode, func, args, kwargs, region: Region, tensors):
         region.fallbacks += 1
         return fallback(mode, func, args, kwargs)
     region.replays += 1
-    stats, phase = mode.stats, mode._phase()
-    for k, t in enumerate(region.templates):
-        mode.op_index += 1
-        stats.ops += 1
-        stats.rounded[phase] += t.rounded
-        if writer is not None or reader is not None:
-            stats.entries_scalar += len(t.scalars)
-        if writer is not None:
-            stats.analysed += t.analysed
+    stats, quiet = mode.stats, region.quiet  # what the eager engine counts for these ops, all at once
+    mode.op_index += len(quiet.records)
+    stats.ops += len(quiet.records)
+    stats.rounded[mode._phase()] += quiet.rounded
+    if writer is not None or reader is not None:
+        stats.entries_scalar += quiet.n_scalar
     if writer is not None:
-        writer.quiet_ops(region.quiet)
+        stats.analysed += region.analysed
+        writer.quiet_ops(quiet)
     for k, value in zip(region.mutations, new_values):
         tensors[k].copy_(value)
     structure, names = region.results

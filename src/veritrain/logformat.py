@@ -225,8 +225,8 @@ _THREAD = threading.local()
 
 
 def _compressors() -> list:
-    """This thread's compressors between logs: a new level-10 compressor allocates its tables each time
-    (about 0.2 ms, a tenth of a small model's float64 step); one whose frame has ended starts the next
+    """This thread's compressors between logs: a new level-10 compressor allocates its tables each time, a
+    cost that shows on small models' short steps; one whose frame has ended starts the next
     frame from scratch, so a log's bytes do not depend on what was written before (tests/test_logformat.py)."""
     free = getattr(_THREAD, "free", None)
     if free is None:

@@ -1,5 +1,6 @@
 """The error scales of a convolution and its backward (rules.scale_for) at the default-size ResNet's
-shapes (batch 16, width 8), median microseconds per call; then the sums of squares those scales are made of
+shapes (batch 16, width 8), median microseconds per call: in full (the trainer's scan needs every element's),
+and at four positions of each output (the auditor reads the outputs with log entries); then the sums of squares those scales are made of
 (fused.sum_of_squares, fused.vector_norm) compiled and eager, at sizes around fused.SQUARES_MIN_NUMEL:
 the figures docs/SPEED.md quotes.
 
@@ -36,8 +37,9 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     reps = ap.parse_args().reps
     torch.manual_seed(0)
-    print("| input | stride | forward scale (us) | backward scales (us) |\n| --- | --- | --- | --- |")
-    totals = [0.0, 0.0]
+    print("| input | stride | forward scale (us) | backward scales (us) | forward, at 4 positions (us) | "
+          "backward, at 4 positions of each (us) |\n| --- | --- | --- | --- | --- | --- |")
+    totals = [0.0] * 4
     for n, c, h, w, o, s in SHAPES:
         x, wt = torch.randn(n, c, h, w, dtype=torch.float64), torch.randn(o, c, 3, 3, dtype=torch.float64)
         conv = (wt, None, [s, s], [1, 1], [1, 1], False, [0, 0], 1)
@@ -47,13 +49,32 @@ def main():
         fwd = rules.Call(aten.convolution.default, (x, *conv), {}, [y])
         bwd = rules.Call(aten.convolution_backward.default, back, {}, list(aten.convolution_backward(*back)))
         rf, rb = rules.lookup(aten.convolution.default), rules.lookup(aten.convolution_backward.default)
-        tf, tb = median_us(lambda: rules.scale_for(rf, fwd), reps), median_us(lambda: rules.scale_for(rb, bwd), reps)
-        totals[0] += tf
-        totals[1] += tb
-        print(f"| {n} x {c} x {h} x {w} | {s} | {tf:.0f} | {tb:.0f} |")
-    print(f"| all five | | {totals[0]:.0f} | {totals[1]:.0f} |")
+        times = [median_us(lambda: full_scales(rf, fwd), reps), median_us(lambda: full_scales(rb, bwd), reps),
+                 median_us(lambda: scales_at(rf, fwd), reps), median_us(lambda: scales_at(rb, bwd), reps)]
+        totals = [a + b for a, b in zip(totals, times)]
+        print(f"| {n} x {c} x {h} x {w} | {s} | " + " | ".join(f"{t:.0f}" for t in times) + " |")
+    print("| all five | | " + " | ".join(f"{t:.0f}" for t in totals) + " |")
     squares(reps)
     print(f"\n{torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+
+
+def _resolved(rule, call):
+    return [s.compute() if isinstance(s, rules.Deferred) else s for s in rules.scale_for(rule, call)]
+
+
+def full_scales(rule, call):
+    """Every output's scale in full, as the trainer's scan takes it (a LazyScale's factors, patch norms included)."""
+    return [s.full_terms() if isinstance(s, rules.LazyScale) else s for s in _resolved(rule, call) if s is not None]
+
+
+def scales_at(rule, call):
+    """Each output's scale at four positions, as the auditor's checks of its entries take it."""
+    out = []
+    for s, y in zip(_resolved(rule, call), call.outputs):
+        if s is not None:
+            idx = torch.arange(4) * (y.numel() // 4)
+            out.append(s.at(idx, y.shape) if isinstance(s, rules.LazyScale) else s.expand(y.shape).reshape(-1)[idx])
+    return out
 
 
 def squares(reps):

@@ -4,6 +4,7 @@ import math
 import struct
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -87,6 +88,51 @@ def test_grid_values_are_fixed_points(pattern, b):
 def test_b32_is_plain_float32_conversion():
     x = torch.randn(10000, dtype=torch.float64) * torch.logspace(-40, 38, 10000, dtype=torch.float64)
     assert torch.equal(Grid(32).round(x), x.to(torch.float32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(width=64), min_size=1, max_size=40), st.sampled_from(BITS))
+def test_the_hosts_rounding_is_the_tensors(values, b):
+    """Grid.round_host (NumPy, for the few values the trainer classifies and the auditor checks) gives
+    Grid.round's bits (torch, for whole results), NaN, infinities, subnormals and ties included."""
+    grid = Grid(b)
+    y = torch.tensor(values + edge_values(b), dtype=torch.float64)
+    got = grid.round_host(y.numpy())
+    want = grid.round(y)
+    assert got.dtype == np.float32
+    same = torch.from_numpy(got.view(np.int32)) == want.view(torch.int32)
+    assert bool((same | (want.isnan() & torch.from_numpy(np.isnan(got)))).all())
+
+
+def exact_cell(y: float, b: int):
+    """Reference: (lower, upper, spacing) of the grid cell containing |y|, in exact arithmetic."""
+    a = abs(Fraction(y))
+    e = -1000 if a == 0 else a.numerator.bit_length() - a.denominator.bit_length()
+    while a and Fraction(2) ** e > a:
+        e -= 1
+    while a and Fraction(2) ** (e + 1) <= a:
+        e += 1
+    spacing = Fraction(2) ** (max(e, -126) - 23 + 32 - b)
+    lower = (a // spacing) * spacing
+    return lower, lower + spacing, spacing
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=-2.0**128, max_value=2.0**128, width=64), min_size=1, max_size=30),
+       st.sampled_from(BITS))
+def test_a_values_cell_and_midpoint_distance_are_exact(values, b):
+    """Grid.cell (NumPy) against exact rational arithmetic, and midpoint_distance as the correctly rounded
+    distance (one float64 subtraction from an exact midpoint), up to float32's range, on arrays and tensors."""
+    grid = Grid(b)
+    y = np.array(values + [v for v in edge_values(b) if math.isfinite(v)], dtype=np.float64)
+    lower, upper, spacing = grid.cell(y)
+    dist = grid.midpoint_distance(y)
+    for i, v in enumerate(y.tolist()):
+        lo, hi, sp = exact_cell(v, b)
+        assert (Fraction(lower[i]), Fraction(upper[i]), Fraction(spacing[i])) == (lo, hi, sp), v
+        assert dist[i] == float(abs(abs(Fraction(v)) - (lo + sp / 2))), v
+    as_tensors = grid.cell(torch.from_numpy(y))
+    assert all(isinstance(t, torch.Tensor) and np.array_equal(t.numpy(), a) for t, a in zip(as_tensors, (lower, upper, spacing)))
 
 
 def test_rejects_bad_bits():

@@ -7,6 +7,7 @@ without the general pytree."""
 import collections
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -302,3 +303,62 @@ def test_an_embedding_gradients_scale_costs_nothing_per_vocabulary_row():
     small = rules._embedding_dense_backward(rules.Call(func, (go, idx, 16, -1, False), {}, [None]))[0]
     huge = rules._embedding_dense_backward(rules.Call(func, (go, idx, 10**12, -1, False), {}, [None]))[0]
     assert torch.equal(huge.rows, small.rows) and torch.equal(huge.scale, small.scale)
+
+
+@pytest.mark.parametrize("case", [((2, 3, 9, 7), (3, 3), 1, 1, 1), ((2, 3, 9, 7), (3, 3), 2, 1, 1),
+                                  ((3, 4, 10, 11), (3, 2), (2, 1), (0, 1), (1, 2)), ((2, 5, 8, 8), (1, 1), 2, 0, 1),
+                                  ((2, 2, 7, 7), (5, 5), 3, 2, 1), ((2, 3, 12), (3,), 2, 1, 2),
+                                  ((1, 2, 5, 6, 4), (3, 3, 2), (1, 2, 1), 1, 1)])
+def test_a_convolutions_patch_norms_at_a_few_positions_follow_the_definition(case):
+    """rules.PatchNorm: the norm of the patch each output of a convolution reads (forward), and of the output
+    gradient's window over each input position (the input gradient's), by its definition, the convolution of
+    the squares with a kernel of ones (and its transpose). At a few positions it gathers their patches (the
+    auditor's entries) and gives the full computation's values, which later calls read instead."""
+    shape, k, stride, padding, dilation = case
+    torch.manual_seed(4)
+    x = torch.randn(shape, dtype=torch.float64)
+    nd = len(k)
+    conv = [None, torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d][nd]
+    ones = torch.ones((1, shape[1]) + k, dtype=torch.float64)
+    want = conv(x * x, ones, stride=stride, padding=padding, dilation=dilation).sqrt()
+    go = torch.randn((shape[0], 6) + tuple(want.shape[2:]), dtype=torch.float64)
+    grad_input = torch.nn.grad.conv1d_input if nd == 1 else torch.nn.grad.conv2d_input if nd == 2 \
+        else torch.nn.grad.conv3d_input
+    want_back = grad_input((shape[0], 1) + shape[2:], torch.ones((1, 1) + k, dtype=torch.float64),
+                           (go * go).sum(1, keepdim=True), stride=stride, padding=padding, dilation=dilation).sqrt()
+    for f, ref, out_shape in ((rules.PatchNorm(x, k, stride, padding, dilation), want, (shape[0], 5) + want.shape[2:]),
+                              (rules.PatchNorm(go, k, stride, padding, dilation, True, shape[2:]), want_back, shape)):
+        every = torch.arange(math.prod(out_shape))
+        host = np.unravel_index(every.numpy(), out_shape)
+        expect = ref.expand(out_shape).reshape(-1)
+        assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)  # gathered from the patches
+        assert torch.allclose(f.full(), ref, rtol=1e-13, atol=0)
+        f.x = torch.full_like(f.x, float("nan"))  # after full(), x is not read again
+        assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)
+
+
+def test_a_convolution_backwards_scales_are_computed_for_the_outputs_asked_for():
+    """The input, weight and bias gradients' scales (rules._convolution_backward) are Deferred: the auditor asks
+    only for outputs with log entries, so an op whose weight gradient has none never takes the norms over
+    the whole output gradient and input that its scale needs. Once computed, each is kept."""
+    torch.manual_seed(5)
+    x, w = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(5, 3, 3, 3, dtype=torch.float64)
+    go = torch.randn(4, 5, 8, 8, dtype=torch.float64)
+    func = aten.convolution_backward.default
+    outs = list(func(go, x, w, [5], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]))
+    call = rules.Call(func, (go, x, w, [5], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True]), {}, outs)
+    scales = rules.scale_for(rules.lookup(func), call)
+    assert all(isinstance(s, rules.Deferred) for s in scales)
+    from veritrain.engine import _Analysis
+    analysis = _Analysis(call, rules.lookup(func))
+    calls = []
+    analysis.scales = list(scales)
+    computed = [s.compute for s in analysis.scales]
+    for i, s in enumerate(analysis.scales):
+        s.compute = (lambda i=i: calls.append(i) or computed[i]())
+    first = analysis.scale(0, outs[0].shape)
+    assert calls == [0] and analysis.scale(0, outs[0].shape) is first  # the weight and bias scales not taken
+    weight = rules.materialize_scale(analysis.scale(1, outs[1].shape), outs[1])
+    gon = torch.linalg.vector_norm(go, dim=[0, 2, 3]).view(-1, 1, 1, 1)
+    xn = torch.linalg.vector_norm(x, dim=[0, 2, 3]).view(1, -1, 1, 1)
+    assert calls == [0, 1] and torch.allclose(weight, 16 * gon * xn * torch.ones_like(outs[1]), rtol=1e-13, atol=0)

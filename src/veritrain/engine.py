@@ -282,6 +282,11 @@ def _check_dtypes(func, leaves):
                 f"floating value on a float32 grid (run the model in float32, without autocast)")
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A few values as a NumPy array (on the host)."""
+    return t.detach().cpu().numpy()
+
+
 def _to_model_dtype(y32: torch.Tensor, dtype) -> torch.Tensor:
     return y32 if dtype == torch.float32 else y32.to(dtype)
 
@@ -298,6 +303,8 @@ class _Analysis:
         if self.scales is None:
             self.scales = list(rules.scale_for(self.rule, self.call))
         s = self.scales[slot] if slot < len(self.scales) else None
+        if isinstance(s, rules.Deferred):
+            s = self.scales[slot] = s.compute()
         if s is None:
             raise VeritrainError(f"{self.call.func}: rule gives no error scale for output {slot}")
         if isinstance(s, (rules.LazyScale, rules.RowSubset, rules.RelScale)):
@@ -1073,91 +1080,97 @@ class VerifiedMode(TorchDispatchMode):
                 s.found = torch.from_numpy(pos[cuts[k]:cuts[k + 1]] - bounds[k])
 
     def _record(self, slot, c) -> OutputEntries:
-        """Trainer: find the entries of one output (and keep its float32 result consistent with them)."""
+        """Trainer: find the entries of one output (and keep its float32 result consistent with them). The
+        candidates' classification runs in NumPy (rounding.Grid: few values, where torch's dispatch dominates)."""
         grid = self.grid
         e = OutputEntries(slot.shape)
         idx = slot.candidate_indices(c)
         if not idx.numel():
             return e
         yc = slot.values_at(idx)
-        tau = c * UNIT_ROUNDOFF * slot.scale_at(idx)
-        is_val, is_dir, away = grid.classify(yc, tau)
+        tau = c * UNIT_ROUNDOFF * _host(slot.scale_at(idx))
+        is_val, is_dir, away = grid.classify(_host(yc), tau)
         flat = slot.y32.view(-1)
         if not isinstance(slot, _EagerSlot):
             flat[idx] = grid.round(yc)  # the rounded result comes from the same values as the entries
-        e.dir_pos = idx[is_dir].cpu().numpy().astype(np.int64)
-        e.dir_bits = away[is_dir].cpu().numpy()
-        vp = idx[is_val]
-        e.val_pos = vp.cpu().numpy().astype(np.int64)
-        e.val_bits = flat[vp].view(torch.int32).cpu().numpy().view(np.uint32)
+        idx = _host(idx).astype(np.int64, copy=False)
+        e.dir_pos = idx[is_dir]
+        e.dir_bits = away[is_dir]
+        e.val_pos = idx[is_val]
+        e.val_bits = _host(flat[torch.from_numpy(e.val_pos).to(flat.device)]).view(np.uint32) if len(e.val_pos) \
+            else np.zeros(0, np.uint32)
         return e
 
     def _replay(self, func, slot, entries: OutputEntries, phase, c, index):
-        """Auditor: force the trainer's decisions for one output and check each is plausible."""
+        """Auditor: force the trainer's decisions for one output and check each is plausible. The checks run
+        in NumPy on the entries' values (few per output, where torch's per-operation dispatch dominates)."""
         if not entries.n_entries:
             return
         grid = self.grid
         slack = self.config.slack
         flat = slot.y32.view(-1)
         dev = flat.device
-        if len(entries.dir_pos):
-            pos = torch.from_numpy(entries.dir_pos).to(dev)
-            yc = slot.values_at(pos)
-            away = torch.from_numpy(entries.dir_bits.astype(bool)).to(dev)
-            cell = grid.cell(yc)  # once for both of its uses below
-            forced = grid.apply_direction(yc, away, cell)
-            natural = grid.round(yc)
-            contradicts = forced.view(torch.int32) != natural.view(torch.int32)
-            self.stats.corrections[phase] += int(contradicts.sum())
-            tau = c * UNIT_ROUNDOFF * slot.scale_at(pos)
-            dist = grid.midpoint_distance(yc, cell)
-            # needed only within slack * tau of a midpoint; NaN or infinite results never need one. An
-            # entry that *overrides* our rounding must be one an honest trainer could have made: its result
-            # lies within tau of ours (the error model), so ours is within tau of the midpoint it crossed. A
-            # result with tau 0 (certified exact) is the same on every machine: rounding decides even at a
-            # tie, so no honest entry contradicts it
-            bad = ~(dist <= slack * tau) | ~torch.isfinite(yc) | (yc.abs() >= 2.0**128) \
-                | (contradicts & ~((dist <= tau * HONEST_TAU) & (tau > 0)))
-            self.stats.freedom_direction += int(len(pos))
-            for j in bad.nonzero().flatten().tolist():
-                self._suspicious(int(pos[j]), index, "direction",
-                                 f"{func}: value {yc[j].item()!r} is {dist[j].item():.3g} from a midpoint, "
-                                 f"threshold {tau[j].item():.3g}", op=str(func))
-            flat[pos] = forced
-        if len(entries.val_pos):
-            pos = torch.from_numpy(entries.val_pos).to(dev)
-            vals = torch.from_numpy(entries.val_bits.view(np.int32).copy()).to(dev).view(torch.float32)
-            yc = slot.values_at(pos)
-            natural = grid.round(yc)
-            contradicts = vals.view(torch.int32) != natural.view(torch.int32)
-            self.stats.corrections[phase] += int(contradicts.sum())
-            tau = c * UNIT_ROUNDOFF * slot.scale_at(pos)
-            v64 = vals.double()
-            window = slack * tau
-            # the auditor's own classification: a value entry is needed only where the error bound is not
-            # small against the grid spacing anywhere in the window (the trainer's result lies within tau
-            # of ours, so its spacing is at least the spacing at |y| - tau)
-            low = (yc.abs() - window).clamp(min=0.0)
-            needed = torch.isfinite(yc) & (yc.abs() < 2.0**128) & (window >= grid.spacing_at(low) / 8)
-            # the value must be a grid point the honest trainer could have produced: round(y') for some
-            # y' within the window of ours
-            # y' within tau of ours (the error model); an entry that agrees with our own rounding changes
-            # nothing and only has to be needed
-            honest = tau * HONEST_TAU
-            lo, hi = grid.round(yc - honest).double(), grid.round(yc + honest).double()
-            inside = (v64 >= lo) & (v64 <= hi)
-            bad = ~needed | (contradicts & ~inside) | ~grid.on_grid(vals) | ~torch.isfinite(v64)
-            self.stats.freedom_value += int(len(pos))
-            ok = ~bad
-            if bool(ok.any()):  # the trainer could have logged any grid value in [lo, hi]
-                width = (hi - lo)[ok]
-                self.stats.freedom_value_window += float(width.sum())
-                self.stats.freedom_value_cells += float((width / grid.spacing_at(yc[ok].abs())).sum())
-            for j in bad.nonzero().flatten().tolist():
-                self._suspicious(int(pos[j]), index, "value",
-                                 f"{func}: logged value {vals[j].item()!r} but the computed value is "
-                                 f"{yc[j].item()!r} (threshold {tau[j].item():.3g})", op=str(func))
-            flat[pos] = torch.where(grid.on_grid(vals), vals, grid.round(v64))
+        with np.errstate(invalid="ignore", over="ignore"):
+            if len(entries.dir_pos):
+                at = torch.from_numpy(entries.dir_pos).to(dev)
+                pos = entries.dir_pos
+                yc = _host(slot.values_at(at))
+                away = entries.dir_bits.astype(bool)
+                cell = grid.cell(yc)  # once for both of its uses below
+                forced = grid.apply_direction(yc, away, cell)
+                natural = grid.round_host(yc)
+                contradicts = forced.view(np.int32) != natural.view(np.int32)
+                self.stats.corrections[phase] += int(contradicts.sum())
+                tau = c * UNIT_ROUNDOFF * _host(slot.scale_at(at))
+                dist = grid.midpoint_distance(yc, cell)
+                # needed only within slack * tau of a midpoint; NaN or infinite results never need one. An
+                # entry that *overrides* our rounding must be one an honest trainer could have made: its result
+                # lies within tau of ours (the error model), so ours is within tau of the midpoint it crossed. A
+                # result with tau 0 (certified exact) is the same on every machine: rounding decides even at a
+                # tie, so no honest entry contradicts it
+                bad = ~(dist <= slack * tau) | ~np.isfinite(yc) | (np.abs(yc) >= 2.0**128) \
+                    | (contradicts & ~((dist <= tau * HONEST_TAU) & (tau > 0)))
+                self.stats.freedom_direction += len(pos)
+                for j in np.flatnonzero(bad).tolist():
+                    self._suspicious(int(pos[j]), index, "direction",
+                                     f"{func}: value {float(yc[j])!r} is {float(dist[j]):.3g} from a midpoint, "
+                                     f"threshold {float(tau[j]):.3g}", op=str(func))
+                flat[at] = torch.from_numpy(forced).to(dev)
+            if len(entries.val_pos):
+                at = torch.from_numpy(entries.val_pos).to(dev)
+                pos = entries.val_pos
+                vals = entries.val_bits.view(np.float32)
+                yc = _host(slot.values_at(at))
+                natural = grid.round_host(yc)
+                contradicts = vals.view(np.int32) != natural.view(np.int32)
+                self.stats.corrections[phase] += int(contradicts.sum())
+                tau = c * UNIT_ROUNDOFF * _host(slot.scale_at(at))
+                v64 = vals.astype(np.float64)
+                window = slack * tau
+                # the auditor's own classification: a value entry is needed only where the error bound is not
+                # small against the grid spacing anywhere in the window (the trainer's result lies within tau
+                # of ours, so its spacing is at least the spacing at |y| - tau)
+                low = np.maximum(np.abs(yc) - window, 0.0)
+                needed = np.isfinite(yc) & (np.abs(yc) < 2.0**128) & (window >= grid.spacing_at(low) / 8)
+                # the value must be a grid point the honest trainer could have produced: round(y') for some
+                # y' within tau of ours (the error model); an entry that agrees with our own rounding changes
+                # nothing and only has to be needed
+                honest = tau * HONEST_TAU
+                lo, hi = grid.round_host(yc - honest).astype(np.float64), grid.round_host(yc + honest).astype(np.float64)
+                inside = (v64 >= lo) & (v64 <= hi)
+                on_grid = grid.on_grid(vals)
+                bad = ~needed | (contradicts & ~inside) | ~on_grid | ~np.isfinite(v64)
+                self.stats.freedom_value += len(pos)
+                ok = ~bad
+                if ok.any():  # the trainer could have logged any grid value in [lo, hi]
+                    width = (hi - lo)[ok]
+                    self.stats.freedom_value_window += float(width.sum())
+                    self.stats.freedom_value_cells += float((width / grid.spacing_at(np.abs(yc[ok]))).sum())
+                for j in np.flatnonzero(bad).tolist():
+                    self._suspicious(int(pos[j]), index, "value",
+                                     f"{func}: logged value {float(vals[j])!r} but the computed value is "
+                                     f"{float(yc[j])!r} (threshold {float(tau[j]):.3g})", op=str(func))
+                flat[at] = torch.from_numpy(np.where(on_grid, vals, grid.round_host(v64))).to(dev)
 
     def _suspicious(self, position, slot, kind, detail, op=""):
         self.stats.suspicious_count += 1

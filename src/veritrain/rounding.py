@@ -35,6 +35,25 @@ FLOAT32_MIN_NORMAL = 2.0**-126
 _INT64 = torch.int64
 
 
+def _on_host(method):
+    """A Grid method written for NumPy arrays, also callable with torch tensors: these are moved to the host
+    and the results (arrays, or tuples of them) back to the first tensor's device. NumPy arrays and cells
+    (tuples of arrays) pass through as they are."""
+
+    def wrapper(self, *args):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None:
+            return method(self, *args)
+        host = [a.detach().cpu().numpy() if isinstance(a, torch.Tensor)
+                else tuple(t.detach().cpu().numpy() for t in a) if isinstance(a, tuple) else a for a in args]
+        out = method(self, *host)
+        back = lambda r: torch.from_numpy(np.ascontiguousarray(r)).to(device)  # noqa: E731
+        return tuple(back(r) for r in out) if isinstance(out, tuple) else back(out)
+
+    wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = method.__name__, method.__doc__, method
+    return wrapper
+
+
 class Grid:
     """The set of float32 values whose lowest ``32 - bits`` mantissa bits are zero."""
 
@@ -79,54 +98,82 @@ class Grid:
     def round_scalar(self, x: float) -> float:
         return float(self.round(torch.tensor([x], dtype=torch.float64))[0])
 
-    def on_grid(self, v: torch.Tensor) -> torch.Tensor:
-        """Which float32 values lie on this grid (non-finite values count as on it)."""
-        v = v.to(torch.float32)
+    def on_grid(self, v):
+        """Which float32 values lie on this grid (non-finite values count as on it); torch or NumPy."""
+        if isinstance(v, np.ndarray):
+            ints, finite = v.astype(np.float32, copy=False).view(np.int32), np.isfinite(v)
+        else:
+            v = v.to(torch.float32)
+            ints, finite = v.view(torch.int32), torch.isfinite(v)
         if self.drop == 0:
-            return torch.ones_like(v, dtype=torch.bool)
-        return (v.view(torch.int32) & ((1 << self.drop) - 1) == 0) | ~torch.isfinite(v)
+            return finite | ~finite
+        return (ints & ((1 << self.drop) - 1) == 0) | ~finite
 
-    # --- exact neighbourhood of a value (used on the few candidates) ----------------------------
+    # --- exact neighbourhood of a value (used on the few candidates and log entries) ------------
+    # In NumPy: they run on a handful of values per output, where a NumPy operation costs a fraction of a
+    # torch operation's dispatch (the auditor's checks of one output's entries were ~60 torch operations).
+    # torch tensors are accepted too (tests, benchmarks): moved to the host and the results moved back.
 
-    def cell(self, y: torch.Tensor):
+    @_on_host
+    def round_host(self, y: np.ndarray) -> np.ndarray:
+        """``round`` for float64 NumPy values: the same bit operations, one for one."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            if self.drop == 0:
+                return y.astype(np.float32)  # IEEE round-to-nearest-even, as torch's conversion
+            bits = y.view(np.int64)
+            odd = (bits >> self.cell_bits) & 1
+            out = ((bits + (self.half - 1) + odd) & ~self.low_mask).view(np.float64)
+            tiny = np.abs(y) < FLOAT32_MIN_NORMAL
+            if tiny.any():
+                out = out.copy()
+                out[tiny] = np.round(y[tiny] / self.min_spacing) * self.min_spacing  # ties to even, as torch
+            return np.where(np.isnan(y), y, out).astype(np.float32)
+
+    @_on_host
+    def cell(self, y: np.ndarray):
         """For float64 ``y``: (lower, upper, spacing) of the grid cell containing |y|, in magnitude."""
-        ay = y.abs()
-        _, e = torch.frexp(ay)  # ay = m * 2**e with m in [0.5, 1)
-        e = torch.where(ay == 0, torch.full_like(e, -1000), e)
-        exponent = torch.clamp(e - 1, min=-126) - 23 + self.drop
-        spacing = power_of_two(exponent)
-        lower = torch.floor(ay / spacing) * spacing
+        ay = np.abs(y)
+        _, e = np.frexp(ay)  # ay = m * 2**e with m in [0.5, 1)
+        e = np.where(ay == 0, -1000, e)
+        spacing = np.ldexp(1.0, np.maximum(e - 1, -126) - 23 + self.drop)  # exact
+        with np.errstate(invalid="ignore"):
+            lower = np.floor(ay / spacing) * spacing
         return lower, lower + spacing, spacing
 
-    def classify(self, y: torch.Tensor, tau: torch.Tensor):
+    @_on_host
+    def classify(self, y: np.ndarray, tau: np.ndarray):
         """Exact decision for candidate elements.
 
-        Returns (is_value, is_direction, away) as bool tensors: whether the element needs a value
+        Returns (is_value, is_direction, away) as bool arrays: whether the element needs a value
         entry, a direction entry, and whether rounding ``y`` to nearest-even went away from zero.
         """
         lower, upper, spacing = self.cell(y)
-        ay = y.abs()
+        ay = np.abs(y)
         mid = lower + spacing / 2
-        finite = torch.isfinite(y) & (ay < 2.0**128)
-        is_value = finite & (tau >= spacing / 8)
-        is_direction = finite & ~is_value & ((ay - mid).abs() < tau)
-        rounded = self.round(y).to(torch.float64).abs()
-        away = rounded > ay
+        with np.errstate(invalid="ignore"):
+            finite = np.isfinite(y) & (ay < 2.0**128)
+            is_value = finite & (tau >= spacing / 8)
+            is_direction = finite & ~is_value & (np.abs(ay - mid) < tau)
+            away = np.abs(self.round_host(y).astype(np.float64)) > ay
         return is_value, is_direction, away
 
-    def apply_direction(self, y: torch.Tensor, away: torch.Tensor, cell=None) -> torch.Tensor:
+    @_on_host
+    def apply_direction(self, y: np.ndarray, away: np.ndarray, cell=None) -> np.ndarray:
         """Round float64 ``y`` to the lower or upper (in magnitude) neighbour of its cell (``cell``: this
         y's ``self.cell(y)``, where the caller has it)."""
         lower, upper, _ = self.cell(y) if cell is None else cell
-        mag = torch.where(away, upper, lower)
-        return torch.copysign(mag, y).to(torch.float32)
+        with np.errstate(over="ignore"):
+            return np.copysign(np.where(away, upper, lower), y).astype(np.float32)
 
-    def midpoint_distance(self, y: torch.Tensor, cell=None) -> torch.Tensor:
+    @_on_host
+    def midpoint_distance(self, y: np.ndarray, cell=None) -> np.ndarray:
         """|y - midpoint of its cell|, exact, float64."""
         lower, _, spacing = self.cell(y) if cell is None else cell
-        return (y.abs() - (lower + spacing / 2)).abs()
+        with np.errstate(invalid="ignore"):
+            return np.abs(np.abs(y) - (lower + spacing / 2))
 
-    def spacing_at(self, y: torch.Tensor) -> torch.Tensor:
+    @_on_host
+    def spacing_at(self, y: np.ndarray) -> np.ndarray:
         return self.cell(y)[2]
 
     # --- the bulk test --------------------------------------------------------------------------

@@ -26,10 +26,12 @@ library functions (exp, tanh, ...) their result, except where the formula can ca
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .fused import abs_sum_and_min, sum_of_squares, vector_norm
@@ -139,6 +141,94 @@ class NormFactor:
         return torch.linalg.vector_norm(x[torch.unravel_index(rows, outer)].contiguous(), dim=-1)[inverse]
 
 
+class PatchNorm:
+    """The norm of the patch of ``x`` that each output position of a convolution reads (all input channels,
+    the kernel's window; zero padding adds nothing), with a size-1 channel dimension: (N, 1, *output spatial).
+    ``backward``: the same for a convolution's input gradient, whose value at an input position sums over the
+    output positions whose window covers it (``x`` is the output gradient, the positions the input's, of
+    spatial size ``out_spatial``). Computed in full by a one-channel convolution where every element needs
+    its scale (the trainer's scan); otherwise at the few positions asked for, from their patches alone (the
+    auditor's entries, the trainer's candidates where nothing was computed in full)."""
+
+    __slots__ = ("x", "kernel", "stride", "padding", "dilation", "backward", "out_spatial", "_full")
+
+    def __init__(self, x, kernel, stride, padding, dilation, backward=False, out_spatial=None):
+        n = len(kernel)
+        self.x, self.kernel, self.backward = x, tuple(int(k) for k in kernel), backward
+        self.stride, self.padding, self.dilation = (_per_dim(v, n) for v in (stride, padding, dilation))
+        self.out_spatial = tuple(out_spatial) if backward else None
+        self._full = None
+
+    def full(self) -> torch.Tensor:
+        if self._full is None:
+            x, k = self.x, self.kernel
+            ones = torch.ones((1, 1) + k, dtype=x.dtype, device=x.device)
+            energy = sum_of_squares(x, [1])
+            if self.backward:
+                probe = torch.zeros((), dtype=x.dtype, device=x.device).expand((x.shape[0], 1) + self.out_spatial)
+                energy = aten.convolution_backward(energy, probe, ones, None, self.stride, self.padding,
+                                                   self.dilation, False, [0] * len(k), 1, [True, False, False])[0]
+            else:
+                energy = aten.convolution(energy, ones, None, self.stride, self.padding, self.dilation, False,
+                                          [0] * len(k), 1)
+            self._full = energy.clamp_(min=0).sqrt_()
+        return self._full
+
+    def at(self, host) -> torch.Tensor:
+        """The norms at output positions given by their coordinates (batch, channel, *spatial) as NumPy arrays."""
+        x, dev = self.x, self.x.device
+        n, spatial = host[0], host[2:]
+        if self._full is not None:  # the trainer's kernel needed every norm: they are computed already
+            flat = np.zeros(n.shape, np.int64) + n
+            for c, size in zip(spatial, self._full.shape[2:]):
+                flat = flat * size + c
+            return self._full.reshape(-1)[torch.from_numpy(flat).to(dev)]
+        offsets = _window(self.kernel)  # (dims, window)
+        valid = np.ones((len(n), offsets.shape[1]), bool)
+        index = []
+        for d, c in enumerate(spatial):
+            reach = offsets[d] * self.dilation[d]
+            size = x.shape[2 + d]
+            if self.backward:  # the output positions o with o * stride - padding + reach == c
+                num = c[:, None] + self.padding[d] - reach
+                at = num // self.stride[d]
+                valid &= num == at * self.stride[d]
+            else:  # the input positions read by output position c
+                at = c[:, None] * self.stride[d] - self.padding[d] + reach
+            valid &= (at >= 0) & (at < size)
+            index.append(np.minimum(np.maximum(at, 0), size - 1))  # (np.clip costs several times more)
+        # the gather in NumPy where x is on the host (a few positions: NumPy's dispatch costs less than torch's)
+        on_host = dev.type == "cpu"
+        put = (lambda a: a) if on_host else (lambda a: torch.from_numpy(a).to(dev))  # noqa: E731
+        src = x.detach().numpy() if on_host else x
+        patches = src[(put(n[:, None]), slice(None), *map(put, index))]  # (positions, window, channels)
+        energy = ((patches * patches).sum(2) * put(valid)).sum(1)
+        return torch.from_numpy(np.sqrt(energy)) if on_host else energy.sqrt_()
+
+
+@functools.lru_cache(maxsize=64)
+def _window(kernel):
+    """The offsets of a kernel's window, (dims, positions), read-only."""
+    out = np.indices(kernel).reshape(len(kernel), -1)
+    out.flags.writeable = False
+    return out
+
+
+def _per_dim(v, n):
+    v = [int(v)] if isinstance(v, int) else [int(e) for e in v]
+    return v * n if len(v) == 1 else v
+
+
+class Deferred:
+    """One output's scale, computed when the engine first asks for it (an op's other outputs may need none:
+    the auditor reads the scales of outputs with log entries only)."""
+
+    __slots__ = ("compute",)
+
+    def __init__(self, compute):
+        self.compute = compute
+
+
 class LazyScale:
     """A scale kept as a sum of products of small broadcastable factors, sum_t coef_t * prod(factors_t)
     (e.g. sqrt(k) * ||row_i|| * ||col_j|| for a matrix product), so that it never has to exist at full
@@ -148,12 +238,12 @@ class LazyScale:
     __slots__ = ("terms",)
 
     def __init__(self, terms):
-        self.terms = [(float(c), [f if isinstance(f, NormFactor) else f.to(torch.float64) for f in fs])
+        self.terms = [(float(c), [f if isinstance(f, (NormFactor, PatchNorm)) else f.to(torch.float64) for f in fs])
                       for c, fs in terms]
 
     def full_terms(self):
         """The terms with every factor as a tensor."""
-        return [(c, [f.full() if isinstance(f, NormFactor) else f for f in fs]) for c, fs in self.terms]
+        return [(c, [f.full() if isinstance(f, (NormFactor, PatchNorm)) else f for f in fs]) for c, fs in self.terms]
 
     def materialize(self, shape) -> torch.Tensor:
         out = None
@@ -166,22 +256,29 @@ class LazyScale:
 
     def at(self, idx: torch.Tensor, shape) -> torch.Tensor:
         """The scale at flat (row-major) positions ``idx`` of a tensor of ``shape``."""
-        coords, rest = [], idx
-        for size in reversed(shape):
-            coords.append(rest % size)
-            rest = rest // size
-        coords = coords[::-1]
-        out = torch.zeros(idx.shape, dtype=torch.float64, device=idx.device)
+        # the coordinates on the host: a handful of positions, where NumPy's index arithmetic costs a fraction
+        # of torch's (torch.unravel_index alone took ~80 us a call)
+        host = np.unravel_index(idx.detach().cpu().numpy(), tuple(shape)) if len(shape) else ()
+        coords = None  # as tensors, for NormFactor.at
+        out = None
         for c, fs in self.terms:
-            t = torch.full(idx.shape, c, dtype=torch.float64, device=idx.device)
+            t = None
             for f in fs:
                 if isinstance(f, NormFactor):
-                    t = t * f.at(coords[len(shape) - f.x.dim():])
-                    continue
-                f = f.reshape((1,) * (len(shape) - f.dim()) + tuple(f.shape))
-                sel = tuple(coords[d] if f.shape[d] != 1 else torch.zeros_like(idx) for d in range(len(shape)))
-                t = t * f[sel]
-            out = out + t
+                    if coords is None:
+                        coords = [torch.from_numpy(np.ascontiguousarray(h)).to(idx.device) for h in host]
+                    v = f.at(coords[len(shape) - f.x.dim():])
+                elif isinstance(f, PatchNorm):
+                    v = f.at(host)
+                else:  # a broadcastable tensor: its element at each position, by its own flat index
+                    lead, flat = len(shape) - f.dim(), np.zeros(idx.shape, np.int64)
+                    for d, n in enumerate(f.shape):
+                        if n != 1:
+                            flat = flat * n + host[lead + d]
+                    v = f.reshape(-1)[torch.from_numpy(flat).to(f.device)]
+                t = v * c if t is None else t * v
+            out = t if out is None else out + t
+        return out
         return out
 
 
@@ -387,10 +484,8 @@ def _convolution(call):
     else:
         n = w.shape[1] * math.prod(k)
         # ||patch of x|| (over all input channels: an upper bound when groups > 1) times ||w_o||
-        energy = aten.convolution(sum_of_squares(x, [1]), torch.ones((1, 1) + k, dtype=x.dtype, device=x.device),
-                                  None, stride, padding, dilation, False, [0] * len(k), 1)
         wn = _norm(w.flatten(1), 1).view((1, -1) + (1,) * len(k))
-        terms = [(_sqrt(n), [energy.clamp_(min=0).sqrt_(), wn])]
+        terms = [(_sqrt(n), [PatchNorm(x, k, stride, padding, dilation), wn])]
         if b is not None:
             terms.append((1.0, [b.abs().view((1, -1) + (1,) * len(k))]))
         return [LazyScale(terms)]
@@ -418,26 +513,25 @@ def _convolution_backward(call):
                 out[i] = _sqrt(n) * t
         return out
     bcast = (1, -1) + (1,) * len(k)
-    if gi is not None:
-        energy = sum_of_squares(go, [1])
-        probe = torch.zeros((), dtype=x.dtype, device=x.device).expand((x.shape[0], 1) + tuple(x.shape[2:]))
-        back = aten.convolution_backward(energy, probe, torch.ones((1, 1) + k, dtype=x.dtype, device=x.device),
-                                         None, stride, padding, dilation, False, output_padding, 1,
-                                         [True, False, False])[0]
+    n_pos = go.shape[0] * math.prod(go.shape[2:])
+
+    def input_scale():
         wn = _norm(w.transpose(0, 1).flatten(1), 1).repeat(groups).view(bcast)
         n = w.shape[0] // groups * math.prod(k)
-        out[0] = LazyScale([(_sqrt(n), [back.clamp_(min=0).sqrt_(), wn])])
-    n_pos = go.shape[0] * math.prod(go.shape[2:])
-    if gw is not None:
+        return LazyScale([(_sqrt(n), [PatchNorm(go, k, stride, padding, dilation, True, x.shape[2:]), wn])])
+
+    def weight_scale():
         others = [0, *spatial]
         gon = vector_norm(go, others).reshape(-1)  # (O,)
         xn = vector_norm(x, others).reshape(groups, -1).amax(0)  # (C/groups,)
-        out[1] = LazyScale([(_sqrt(n_pos), [gon.view((-1, 1) + (1,) * len(k)), xn.view((1, -1) + (1,) * len(k))])])
-    if gb is not None:
+        return LazyScale([(_sqrt(n_pos), [gon.view((-1, 1) + (1,) * len(k)), xn.view((1, -1) + (1,) * len(k))])])
+
+    def bias_scale():
         ago = go.abs()
         total = ago.sum([0, *spatial])
-        out[2] = _certify(call, _sqrt(n_pos) * total, total, _min_quantum(ago, [0, *spatial], False))
-    return out
+        return _certify(call, _sqrt(n_pos) * total, total, _min_quantum(ago, [0, *spatial], False))
+
+    return [None if o is None else Deferred(f) for o, f in zip((gi, gw, gb), (input_scale, weight_scale, bias_scale))]
 
 
 def _reduction_sum(call):
@@ -981,8 +1075,8 @@ def lookup(func, named_args: dict | None = None) -> Rule:
 
 
 def scale_for(rule: Rule, call: Call) -> Sequence:
-    """Per output: a tensor broadcastable to it, a LazyScale, a RowSubset, a RelScale, or None
-    (materialize_scale gives any of them at full size)."""
+    """Per output: a tensor broadcastable to it, a LazyScale, a RowSubset, a RelScale, a Deferred (one of those,
+    computed on first use: _Analysis.scale), or None (materialize_scale gives any of them at full size)."""
     fn = rule.scale or _fallback_scale
     return fn(call)
 

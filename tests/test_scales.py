@@ -362,3 +362,27 @@ def test_a_convolution_backwards_scales_are_computed_for_the_outputs_asked_for()
     gon = torch.linalg.vector_norm(go, dim=[0, 2, 3]).view(-1, 1, 1, 1)
     xn = torch.linalg.vector_norm(x, dim=[0, 2, 3]).view(1, -1, 1, 1)
     assert calls == [0, 1] and torch.allclose(weight, 16 * gon * xn * torch.ones_like(outs[1]), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_convolutions_channel_norms_at_a_few_positions_follow_the_definition(groups):
+    """rules.ChannelNorm (a convolution weight gradient's scale factors): ||x|| over batch and positions per
+    channel, the largest over the groups for a grouped convolution's input, along the output dimension it
+    indexes. At a few positions only their channels are read; the full norms give the same values, and once
+    computed they are read instead of x."""
+    torch.manual_seed(6)
+    x = torch.randn(4, 6, 5, 7, dtype=torch.float64)
+    want = torch.linalg.vector_norm(x, dim=[0, 2, 3]).reshape(groups, -1).amax(0)  # (6 / groups,)
+    for axis in (0, 1):
+        out_shape = [3, 3, 3, 3]
+        out_shape[axis] = want.numel()
+        f = rules.ChannelNorm(x, axis, groups, 4)
+        positions = np.array([0, 5, 17, 40, 41, math.prod(out_shape) - 1])
+        host = np.unravel_index(positions, out_shape)
+        expect = want[torch.from_numpy(host[axis])]
+        assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)
+        full = f.full()
+        assert full.shape == tuple(want.numel() if d == axis else 1 for d in range(4))
+        assert torch.allclose(full.reshape(-1), want, rtol=1e-13, atol=0)
+        f.x = torch.full_like(x, float("nan"))
+        assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)

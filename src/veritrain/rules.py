@@ -219,6 +219,44 @@ def _per_dim(v, n):
     return v * n if len(v) == 1 else v
 
 
+class ChannelNorm:
+    """||x|| over every dimension but the channel (1), as a factor along dimension ``axis`` of an ``ndim``-d
+    output (a convolution's weight gradient: the output gradient's channel norms along its dimension 0, the
+    input's along 1). With ``groups`` > 1, the largest of the groups' norms for each of the ``C / groups``
+    channel positions. Computed in full where every element needs its scale; for the channels asked for
+    otherwise."""
+
+    __slots__ = ("x", "axis", "groups", "ndim", "_full")
+
+    def __init__(self, x, axis, groups, ndim):
+        self.x, self.axis, self.groups, self.ndim, self._full = x, axis, int(groups), ndim, None
+
+    def full(self) -> torch.Tensor:
+        if self._full is None:
+            norms = vector_norm(self.x, [0, *range(2, self.x.dim())]).reshape(self.groups, -1).amax(0)
+            self._full = norms.view([-1 if d == self.axis else 1 for d in range(self.ndim)])
+        return self._full
+
+    def at(self, host) -> torch.Tensor:
+        """The norms at output positions given by their coordinates as NumPy arrays."""
+        ch = host[self.axis]
+        dev = self.x.device
+        if self._full is not None:
+            return self._full.reshape(-1)[torch.from_numpy(np.ascontiguousarray(ch)).to(dev)]
+        wanted = np.unique(ch)
+        inverse = np.searchsorted(wanted, ch)  # (np.unique's return_inverse costs several times more)
+        per_group = self.x.shape[1] // self.groups
+        rows = (np.arange(self.groups)[:, None] * per_group + wanted).reshape(-1)
+        others = (0, *range(2, self.x.dim()))
+        if dev.type == "cpu":  # a few channels: NumPy's dispatch costs less than torch's
+            sel = self.x.detach().numpy()[:, rows]
+            norms = np.sqrt((sel * sel).sum(others)).reshape(self.groups, -1).max(0)
+            return torch.from_numpy(norms[inverse])
+        sel = self.x[:, torch.from_numpy(rows).to(dev)]
+        norms = torch.linalg.vector_norm(sel, dim=others).reshape(self.groups, -1).amax(0)
+        return norms[torch.from_numpy(inverse).to(dev)]
+
+
 class Deferred:
     """One output's scale, computed when the engine first asks for it (an op's other outputs may need none:
     the auditor reads the scales of outputs with log entries only)."""
@@ -238,12 +276,12 @@ class LazyScale:
     __slots__ = ("terms",)
 
     def __init__(self, terms):
-        self.terms = [(float(c), [f if isinstance(f, (NormFactor, PatchNorm)) else f.to(torch.float64) for f in fs])
+        self.terms = [(float(c), [f if isinstance(f, _LAZY_FACTORS) else f.to(torch.float64) for f in fs])
                       for c, fs in terms]
 
     def full_terms(self):
         """The terms with every factor as a tensor."""
-        return [(c, [f.full() if isinstance(f, (NormFactor, PatchNorm)) else f for f in fs]) for c, fs in self.terms]
+        return [(c, [f.full() if isinstance(f, _LAZY_FACTORS) else f for f in fs]) for c, fs in self.terms]
 
     def materialize(self, shape) -> torch.Tensor:
         out = None
@@ -268,7 +306,7 @@ class LazyScale:
                     if coords is None:
                         coords = [torch.from_numpy(np.ascontiguousarray(h)).to(idx.device) for h in host]
                     v = f.at(coords[len(shape) - f.x.dim():])
-                elif isinstance(f, PatchNorm):
+                elif isinstance(f, (PatchNorm, ChannelNorm)):
                     v = f.at(host)
                 else:  # a broadcastable tensor: its element at each position, by its own flat index
                     lead, flat = len(shape) - f.dim(), np.zeros(idx.shape, np.int64)
@@ -280,6 +318,9 @@ class LazyScale:
             out = t if out is None else out + t
         return out
         return out
+
+
+_LAZY_FACTORS = (NormFactor, PatchNorm, ChannelNorm)  # factors LazyScale computes when needed
 
 
 class RelScale:
@@ -520,11 +561,9 @@ def _convolution_backward(call):
         n = w.shape[0] // groups * math.prod(k)
         return LazyScale([(_sqrt(n), [PatchNorm(go, k, stride, padding, dilation, True, x.shape[2:]), wn])])
 
-    def weight_scale():
-        others = [0, *spatial]
-        gon = vector_norm(go, others).reshape(-1)  # (O,)
-        xn = vector_norm(x, others).reshape(groups, -1).amax(0)  # (C/groups,)
-        return LazyScale([(_sqrt(n_pos), [gon.view((-1, 1) + (1,) * len(k)), xn.view((1, -1) + (1,) * len(k))])])
+    def weight_scale():  # ||go_o|| times ||x_c|| (over batch and positions), the largest over groups for x
+        nd = 2 + len(k)
+        return LazyScale([(_sqrt(n_pos), [ChannelNorm(go, 0, 1, nd), ChannelNorm(x, 1, groups, nd)])])
 
     def bias_scale():
         ago = go.abs()

@@ -309,7 +309,7 @@ def test_an_embedding_gradients_scale_costs_nothing_per_vocabulary_row():
                                   ((3, 4, 10, 11), (3, 2), (2, 1), (0, 1), (1, 2)), ((2, 5, 8, 8), (1, 1), 2, 0, 1),
                                   ((2, 2, 7, 7), (5, 5), 3, 2, 1), ((2, 3, 12), (3,), 2, 1, 2),
                                   ((1, 2, 5, 6, 4), (3, 3, 2), (1, 2, 1), 1, 1)])
-def test_a_convolutions_patch_norms_at_a_few_positions_follow_the_definition(case):
+def test_a_convolutions_patch_norms_at_a_few_positions_follow_the_definition(case, monkeypatch):
     """rules.PatchNorm: the norm of the patch each output of a convolution reads (forward), and of the output
     gradient's window over each input position (the input gradient's), by its definition, the convolution of
     the squares with a kernel of ones (and its transpose). At a few positions it gathers their patches (the
@@ -331,7 +331,12 @@ def test_a_convolutions_patch_norms_at_a_few_positions_follow_the_definition(cas
         every = torch.arange(math.prod(out_shape))
         host = np.unravel_index(every.numpy(), out_shape)
         expect = ref.expand(out_shape).reshape(-1)
-        assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)  # gathered from the patches
+        monkeypatch.setattr(rules, "GATHER_SHARE", math.inf)  # every position's patch gathered, however many
+        assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)
+        assert f._full is None
+        monkeypatch.setattr(rules, "GATHER_SHARE", 0.25)  # as many as here: one pass over x instead
+        assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)
+        assert f._full is not None
         assert torch.allclose(f.full(), ref, rtol=1e-13, atol=0)
         f.x = torch.full_like(f.x, float("nan"))  # after full(), x is not read again
         assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)
@@ -365,7 +370,7 @@ def test_a_convolution_backwards_scales_are_computed_for_the_outputs_asked_for()
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_a_convolutions_channel_norms_at_a_few_positions_follow_the_definition(groups):
+def test_a_convolutions_channel_norms_at_a_few_positions_follow_the_definition(groups, monkeypatch):
     """rules.ChannelNorm (a convolution weight gradient's scale factors): ||x|| over batch and positions per
     channel, the largest over the groups for a grouped convolution's input, along the output dimension it
     indexes. At a few positions only their channels are read; the full norms give the same values, and once
@@ -380,9 +385,49 @@ def test_a_convolutions_channel_norms_at_a_few_positions_follow_the_definition(g
         positions = np.array([0, 5, 17, 40, 41, math.prod(out_shape) - 1])
         host = np.unravel_index(positions, out_shape)
         expect = want[torch.from_numpy(host[axis])]
+        monkeypatch.setattr(rules, "GATHER_SHARE", math.inf)  # only the channels asked for
         assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)
+        assert f._full is None
+        monkeypatch.setattr(rules, "GATHER_SHARE", 0.0)  # all of them, once
+        assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)
+        assert f._full is not None
         full = f.full()
         assert full.shape == tuple(want.numel() if d == axis else 1 for d in range(4))
         assert torch.allclose(full.reshape(-1), want, rtol=1e-13, atol=0)
         f.x = torch.full_like(x, float("nan"))
         assert torch.allclose(f.at(host), expect, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("groups,stride", [(1, 1), (2, 2)])
+def test_a_convolutions_scales_follow_their_definitions(groups, stride, monkeypatch):
+    """rules._convolution and _convolution_backward, in full and at every position, against their definitions
+    written out with eager ops: sqrt(n) ||patch of x|| ||w_o|| forward; sqrt(n) ||window of go|| ||w[:, c]||
+    (over every output channel, the input channel's position within its group) for the input gradient;
+    sqrt(N H W) ||go_o|| max_g ||x_(g, c)|| for the weight gradient."""
+    torch.manual_seed(7)
+    x, w = torch.randn(3, 4, 9, 9, dtype=torch.float64), torch.randn(6, 4 // groups, 3, 3, dtype=torch.float64)
+    args = ([stride, stride], [1, 1], [1, 1], False, [0, 0], groups)
+    y = aten.convolution(x, w, None, *args)
+    go = torch.randn_like(y)
+    ones = torch.ones((1, 1, 3, 3), dtype=torch.float64)
+    patch = torch.nn.functional.conv2d((x * x).sum(1, keepdim=True), ones, stride=stride, padding=1).sqrt()
+    want_y = math.sqrt(4 // groups * 9) * patch * torch.linalg.vector_norm(w.flatten(1), dim=1).view(1, -1, 1, 1)
+    window = torch.nn.grad.conv2d_input((3, 1, 9, 9), ones, (go * go).sum(1, keepdim=True), stride=stride,
+                                        padding=1).sqrt()
+    wn = torch.linalg.vector_norm(w.transpose(0, 1).flatten(1), dim=1).repeat(groups).view(1, -1, 1, 1)
+    want_gi = math.sqrt(6 // groups * 9) * window * wn
+    xn = torch.linalg.vector_norm(x, dim=[0, 2, 3]).reshape(groups, -1).amax(0).view(1, -1, 1, 1)
+    want_gw = math.sqrt(go.shape[0] * go.shape[2] * go.shape[3]) \
+        * torch.linalg.vector_norm(go, dim=[0, 2, 3]).view(-1, 1, 1, 1) * xn * torch.ones_like(w)
+    fwd = rules.Call(aten.convolution.default, (x, w, None, *args), {}, [y])
+    back = (go, x, w, None, *args, [True, True, False])
+    bwd = rules.Call(aten.convolution_backward.default, back, {}, list(aten.convolution_backward(*back)))
+    cases = [(rules._convolution(fwd)[0], y, want_y)]
+    cases += [(s.compute(), out, want) for s, out, want in zip(rules._convolution_backward(bwd), bwd.outputs,
+                                                                (want_gi, want_gw))]
+    for share in (math.inf, 0.0):  # each factor at the positions asked for, then in full
+        monkeypatch.setattr(rules, "GATHER_SHARE", share)
+        for scale, out, want in cases:
+            at = scale.at(torch.arange(out.numel()), out.shape)
+            assert torch.allclose(at, want.expand(out.shape).reshape(-1), rtol=1e-12, atol=0)
+            assert torch.allclose(rules.materialize_scale(scale, out), want.expand(out.shape), rtol=1e-12, atol=0)

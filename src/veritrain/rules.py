@@ -141,6 +141,9 @@ class NormFactor:
         return torch.linalg.vector_norm(x[torch.unravel_index(rows, outer)].contiguous(), dim=-1)[inverse]
 
 
+GATHER_SHARE = 0.25  # a lazy factor at a few positions gathers their values while they are below this share of x
+
+
 class PatchNorm:
     """The norm of the patch of ``x`` that each output position of a convolution reads (all input channels,
     the kernel's window; zero padding adds nothing), with a size-1 channel dimension: (N, 1, *output spatial).
@@ -184,6 +187,9 @@ class PatchNorm:
                 flat = flat * size + c
             return self._full.reshape(-1)[torch.from_numpy(flat).to(dev)]
         offsets = _window(self.kernel)  # (dims, window)
+        if len(n) * offsets.shape[1] * x.shape[1] >= GATHER_SHARE * x.numel():  # many: one pass over x is cheaper
+            self.full()
+            return self.at(host)
         valid = np.ones((len(n), offsets.shape[1]), bool)
         index = []
         for d, c in enumerate(spatial):
@@ -244,6 +250,9 @@ class ChannelNorm:
         if self._full is not None:
             return self._full.reshape(-1)[torch.from_numpy(np.ascontiguousarray(ch)).to(dev)]
         wanted = np.unique(ch)
+        if len(wanted) * self.groups >= GATHER_SHARE * self.x.shape[1]:  # most channels: one pass over x
+            self.full()
+            return self.at(host)
         inverse = np.searchsorted(wanted, ch)  # (np.unique's return_inverse costs several times more)
         per_group = self.x.shape[1] // self.groups
         rows = (np.arange(self.groups)[:, None] * per_group + wanted).reshape(-1)

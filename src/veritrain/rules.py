@@ -304,7 +304,7 @@ class LazyScale:
     def at(self, idx: torch.Tensor, shape) -> torch.Tensor:
         """The scale at flat (row-major) positions ``idx`` of a tensor of ``shape``."""
         # the coordinates on the host: a handful of positions, where NumPy's index arithmetic costs a fraction
-        # of torch's (torch.unravel_index alone took ~80 us a call)
+        # of torch's (torch.unravel_index is Python over several torch operations)
         host = np.unravel_index(idx.detach().cpu().numpy(), tuple(shape)) if len(shape) else ()
         coords = None  # as tensors, for NormFactor.at
         out = None
@@ -325,7 +325,6 @@ class LazyScale:
                     v = f.reshape(-1)[torch.from_numpy(flat).to(f.device)]
                 t = v * c if t is None else t * v
             out = t if out is None else out + t
-        return out
         return out
 
 

@@ -182,10 +182,7 @@ class PatchNorm:
         x, dev = self.x, self.x.device
         n, spatial = host[0], host[2:]
         if self._full is not None:  # the trainer's kernel needed every norm: they are computed already
-            flat = np.zeros(n.shape, np.int64) + n
-            for c, size in zip(spatial, self._full.shape[2:]):
-                flat = flat * size + c
-            return self._full.reshape(-1)[torch.from_numpy(flat).to(dev)]
+            return _element_at(self._full, host, len(n))
         offsets = _window(self.kernel)  # (dims, window)
         if len(n) * offsets.shape[1] * x.shape[1] >= GATHER_SHARE * x.numel():  # many: one pass over x is cheaper
             self.full()
@@ -248,7 +245,7 @@ class ChannelNorm:
         ch = host[self.axis]
         dev = self.x.device
         if self._full is not None:
-            return self._full.reshape(-1)[torch.from_numpy(np.ascontiguousarray(ch)).to(dev)]
+            return _element_at(self._full, host, len(ch))
         wanted = np.unique(ch)
         if len(wanted) * self.groups >= GATHER_SHARE * self.x.shape[1]:  # most channels: one pass over x
             self.full()
@@ -317,15 +314,21 @@ class LazyScale:
                     v = f.at(coords[len(shape) - f.x.dim():])
                 elif isinstance(f, (PatchNorm, ChannelNorm)):
                     v = f.at(host)
-                else:  # a broadcastable tensor: its element at each position, by its own flat index
-                    lead, flat = len(shape) - f.dim(), np.zeros(idx.shape, np.int64)
-                    for d, n in enumerate(f.shape):
-                        if n != 1:
-                            flat = flat * n + host[lead + d]
-                    v = f.reshape(-1)[torch.from_numpy(flat).to(f.device)]
+                else:
+                    v = _element_at(f, host, idx.numel())
                 t = v * c if t is None else t * v
             out = t if out is None else out + t
         return out
+
+
+def _element_at(f: torch.Tensor, host, count: int) -> torch.Tensor:
+    """A tensor broadcastable to an output, at ``count`` output positions given by their coordinates as NumPy
+    arrays (``host``): each position's element by its flat index in ``f``, size-1 dimensions left out."""
+    lead, flat = len(host) - f.dim(), np.zeros(count, np.int64)
+    for d, n in enumerate(f.shape):
+        if n != 1:
+            flat = flat * n + host[lead + d]
+    return f.reshape(-1)[torch.from_numpy(flat).to(f.device)]
 
 
 _LAZY_FACTORS = (NormFactor, PatchNorm, ChannelNorm)  # factors LazyScale computes when needed

@@ -44,6 +44,7 @@ def train(tmp_path, name, compile_mode, monkeypatch, config=None, replay_of=None
     """Train (or, with ``replay_of``, replay that run's logs) STEPS steps; returns (weights digest, stats)."""
     monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
     capture._CACHE.clear()
+    capture._CALLS.clear()
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     cfg = config or EngineConfig()
@@ -84,6 +85,27 @@ def test_the_trainer_writes_the_eager_log_and_weights(tmp_path, monkeypatch):
     assert captured == eager
     assert log_bytes(tmp_path, "captured") == log_bytes(tmp_path, "eager")
     assert [s.as_dict() for s in captured_stats] == [s.as_dict() for s in eager_stats]
+
+
+def test_a_small_region_is_captured_once_its_signature_is_hot(tmp_path, monkeypatch):
+    """Below the size threshold (every region here is) a signature runs step by step for its first
+    VERITRAIN_CAPTURE_HOT_CALLS - 1 calls, is recorded at that call and replayed from the next: the eager
+    engine's weights, log and statistics throughout. Each decomposition is called once a step here."""
+    eager, eager_stats = train(tmp_path, "eager", "0", monkeypatch)
+    assert train(tmp_path, "default", "auto", monkeypatch)[0] == eager
+    assert not capture._CACHE  # 3 calls of each: far from the default's 1000
+    monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "3")
+    assert train(tmp_path, "late", "auto", monkeypatch)[0] == eager
+    assert regions() and all(r + f == 0 for r, f in regions().values()), regions()  # recorded in step 3
+    monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "2")
+    hot, hot_stats = train(tmp_path, "hot", "auto", monkeypatch)
+    assert sum(r for r, _ in regions().values()) >= 5, regions()  # replayed in step 3
+    assert hot == eager
+    assert log_bytes(tmp_path, "hot") == log_bytes(tmp_path, "eager")
+    assert [s.as_dict() for s in hot_stats] == [s.as_dict() for s in eager_stats]
+    monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "0")  # never
+    train(tmp_path, "never", "auto", monkeypatch)
+    assert not capture._CACHE
 
 
 def test_the_auditor_replays_an_eager_trainer_with_capture(tmp_path, monkeypatch):

@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 
 import numpy as np
 import torch
 
-from . import decompositions, rules
+from . import decompositions, hardware, rules
 from .fused import FusedKernels, _round_to_grid, define
 from .hardware import compiled_path
 from .logformat import OpRecord, OutputEntries, QuietRun
@@ -125,10 +126,24 @@ def applies(mode) -> bool:
 
 def enabled_for(numel: int, device) -> bool:
     """``VERITRAIN_COMPILE`` as for the fused kernels (1 always, 0 never); by default, regions whose largest
-    tensor has at least ``VERITRAIN_CAPTURE_MIN_NUMEL`` elements (65536, as the fused kernels: a compile
-    costs seconds, so short runs of small models stay eager; long ones gain most from a lower value). CPU only
-    (hardware.compiled_path)."""
+    tensor has at least ``VERITRAIN_CAPTURE_MIN_NUMEL`` elements (65536, as the fused kernels), and smaller
+    ones once their signature is hot (``_hot``). CPU only (hardware.compiled_path)."""
     return compiled_path(numel, device, "VERITRAIN_CAPTURE_MIN_NUMEL", 1 << 16)
+
+
+HOT_CALLS = 1000  # default of VERITRAIN_CAPTURE_HOT_CALLS
+_CALLS: dict = {}  # signature of a region below the size threshold -> its calls so far
+
+
+def _hot(key) -> bool:
+    """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (1000; 0
+    never). Compiling a small region costs about a second where the compile cache is cold, and saves under
+    a millisecond a call (docs/SPEED.md): compiled once the eager calls have cost about what the compile
+    does, short runs (and the test suite) never pay for it, and long runs get most of the gain."""
+    n = _CALLS[key] = _CALLS.get(key, 0) + 1
+    env = hardware._pinned if hardware._pinned is not None else os.environ
+    hot = int(env.get("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))
+    return 0 < hot <= n
 
 
 def run(mode, func, args, kwargs):
@@ -139,9 +154,14 @@ def run(mode, func, args, kwargs):
     leaves, spec = _flatten_call(args, kwargs)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     devices = {t.device for t in tensors if t.device.type != "cpu"} or {torch.device("cpu")}
-    if len(devices) > 1 or not enabled_for(max((t.numel() for t in tensors), default=0), devices.pop()):
+    if len(devices) > 1:
         return fallback(mode, func, args, kwargs)
+    device = devices.pop()
     key = _signature(mode, func, leaves, spec, tensors)
+    if not enabled_for(max((t.numel() for t in tensors), default=0), device):
+        # small (or compiled paths off): counted; the compiler is checked only once the signature is hot
+        if key is None or not _hot(key) or not enabled_for(1 << 62, device):
+            return fallback(mode, func, args, kwargs)
     region = _CACHE.get(key, _EAGER) if key is not None else _EAGER
     if key is not None and (key not in _CACHE or isinstance(region, int)):
         return _record(mode, func, args, kwargs, key, tensors)

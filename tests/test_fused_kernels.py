@@ -148,6 +148,70 @@ def test_a_foreach_updates_large_tensors_by_the_single_ops_kernel_with_the_eager
     assert entries[0] > 0 and entries[1] + entries[3] > 0, entries  # a large output's and a small one's
 
 
+PACKED = {  # as FOREACH, the ScalarList variants' values repeating (the tensors of each value are packed together)
+    **FOREACH,
+    "addcdiv.ScalarList": lambda xs, t1, t2: torch._foreach_addcdiv_(xs, t1, t2, [-3e-3 * (k % 2 + 1) for k in range(len(xs))]),
+    "div.ScalarList": lambda xs, t1, t2: torch._foreach_div_(xs, [0.3 + k % 2 for k in range(len(xs))]),
+    "add.List, not in place": lambda xs, t1, t2: [x.copy_(y) for x, y in zip(xs, torch._foreach_add(xs, t1, alpha=0.37))],
+}
+
+
+@pytest.mark.parametrize("min_numel", ["4096", "65536"])
+@pytest.mark.parametrize("name", PACKED)
+def test_a_foreach_ops_small_tensors_laid_end_to_end_give_the_eager_results_and_log(tmp_path, monkeypatch, name,
+                                                                                     min_numel):
+    """A foreach op's small tensors are computed as one (engine._packed_groups): by the single op's kernel where
+    the group reaches the compile threshold (4096 here), eagerly below it. Each tensor's results and the log's
+    bytes must be the eager foreach op's, tensor by tensor (VERITRAIN_COMPILE=0), with entries in several
+    small tensors; and each run's auditor, packed or not, must replay the other's log to the same bits."""
+    monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", min_numel)
+    g = torch.Generator().manual_seed(2)
+    sizes = [(7,), (64, 100), (3, 3, 3), (40, 60), (3000,), (16,), (1200,), (2, 900)]  # (64, 100) alone is large
+    xs0 = [torch.randn(s, generator=g) for s in sizes]
+    if name == "sqrt":
+        xs0 = [x.abs() for x in xs0]
+    t1 = [torch.randn(s, generator=g) for s in sizes]
+    t2 = [torch.rand(s, generator=g) + 0.5 for s in sizes]
+    parts = []
+    real = engine._PartSlot.__init__
+    monkeypatch.setattr(engine._PartSlot, "__init__",
+                        lambda self, whole, *a: parts.append(type(whole)) or real(self, whole, *a))
+    runs = {}
+    for compile_mode in ("auto", "0"):
+        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+        xs = [x.clone() for x in xs0]
+        path = tmp_path / f"{compile_mode}.vtlog"
+        with engine.logged_step(WIDE, 0, writer=StepLogWriter(str(path), 0, 32)):
+            PACKED[name](xs, t1, t2)
+        runs[compile_mode] = (xs, path.read_bytes())
+    whole = engine._FusedSlot if min_numel == "4096" else engine._EagerSlot
+    assert len(parts) >= 4 and set(parts) == {whole}, parts
+    assert all(torch.equal(a, b) for a, b in zip(runs["auto"][0], runs["0"][0]))
+    assert runs["auto"][1] == runs["0"][1]
+    with StepLogReader(str(tmp_path / "auto.vtlog"), expect_step=0) as r:
+        entries = [o.n_entries for o in r.next_op().outputs]
+    assert sum(e > 0 for i, e in enumerate(entries) if i != 1) >= 4, entries
+    for compile_mode, log in (("auto", "0"), ("0", "auto")):
+        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+        xs = [x.clone() for x in xs0]
+        with StepLogReader(str(tmp_path / f"{log}.vtlog"), expect_step=0) as r, \
+                engine.step_context(WIDE, 0, reader=r) as mode:
+            PACKED[name](xs, t1, t2)
+        assert mode.stats.suspicious_count == 0
+        assert all(torch.equal(a, b) for a, b in zip(xs, runs["0"][0]))
+
+
+def test_a_foreach_ops_results_have_memory_of_their_own(monkeypatch):
+    """Packed tensors' results are views of one buffer inside the engine; the op hands back tensors that share
+    memory with nothing, as torch's do."""
+    monkeypatch.setenv("VERITRAIN_COMPILE", "auto")
+    xs, ys = [torch.randn(5), torch.randn(3, 4)], [torch.randn(5), torch.randn(3, 4)]
+    with engine.logged_step(EngineConfig(), 0):
+        out = torch._foreach_add(xs, ys, alpha=0.5)
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 2
+    assert all(t.storage_offset() == 0 and t.is_contiguous() for t in out)
+
+
 def test_every_generated_kernel_has_its_own_source_for_torch_compile(tmp_path, monkeypatch):
     """torch.compile before 2.13 wrapped each function without a source file in one shared wrapper, so every
     kernel drew on one recompile budget: past the eighth, all fell back to eager ops (torch 2.11, seen on the

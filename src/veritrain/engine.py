@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -423,6 +424,34 @@ class _PickedSlot:
         return torch.where(hit, self.inner.scale_at(rows), 0.0)
 
 
+class _PartSlot:
+    """One tensor's share (``n`` values from ``start``) of a result computed for several tensors laid end to end
+    (``_packed_groups``): its float32 values a view of the whole's, its positions the whole's less ``start``.
+    The whole is scanned once, for all its parts (``found``, shared by them)."""
+
+    def __init__(self, whole, start: int, shape, found: list):
+        self.whole, self.start, self.shape, self.found = whole, start, tuple(shape), found
+        self.n = math.prod(self.shape)
+        self.op_class = whole.op_class
+
+    @property
+    def y32(self):
+        return self.whole.y32.view(-1)[self.start:self.start + self.n].view(self.shape)
+
+    def candidate_indices(self, c):
+        if not self.found:
+            self.found.append(_host(self.whole.candidate_indices(c)).astype(np.int64, copy=False))
+        found = self.found[0]
+        lo, hi = np.searchsorted(found, (self.start, self.start + self.n))
+        return torch.from_numpy(found[lo:hi] - self.start)
+
+    def values_at(self, idx):
+        return self.whole.values_at(idx + self.start)
+
+    def scale_at(self, idx):
+        return self.whole.scale_at(idx + self.start)
+
+
 class _FusedSlot:
     """The result of a fused kernel: float32 values and candidates; float64 values recomputed eagerly
     (by the kernel's own Python function) only at the positions that need them."""
@@ -721,7 +750,8 @@ class VerifiedMode(TorchDispatchMode):
             done = self._try_fused(func, rule, info, leaves, spec, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
-        if fusable and rule.kind == rules.APPROX and (info.functional or func) in _FOREACH_AS_SINGLE:
+        if rule.kind == rules.APPROX and (info.functional or func) in _FOREACH_AS_SINGLE and self.probe is None \
+                and self.emulate is None and (fusable or _packs(leaves)):
             done = self._try_fused_foreach(func, rule, info, leaves, spec, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
@@ -901,8 +931,11 @@ class VerifiedMode(TorchDispatchMode):
         op, arguments = single
         named = _named(func, *_unflatten_call(leaves, spec))
         calls = [arguments(named, i) for i in range(len(named["self"]))]
-        if not calls or not any(FusedKernels.enabled_for(c["self"].numel(), c["self"].device) for c in calls) \
-                or any(_is_float_tensor(v) and v.dtype != torch.float32 for c in calls for v in c.values()):
+        if not calls or any(_is_float_tensor(v) and v.dtype != torch.float32 for c in calls for v in c.values()):
+            return _NOT_FUSED
+        large = [FusedKernels.enabled_for(c["self"].numel(), c["self"].device) for c in calls]
+        packs = _packed_groups(calls, large) if _packs(leaves) else []
+        if not any(large) and not packs:
             return _NOT_FUSED
         op_rule = rules.lookup(op, calls[0])
         if op_rule.kind != rules.APPROX or op_rule.op_class != rule.op_class or op_rule.fused is None:
@@ -910,24 +943,36 @@ class VerifiedMode(TorchDispatchMode):
         # in place only where no tensor the op writes is read by another tensor's update: each kernel writes its
         # tensor before the next runs, and the trainer evaluates its candidates after all of them
         in_place = info.variant == "inplace" and _writes_apart(calls)
-        slots = []
+        slots = [None] * len(calls)
+        for group in packs:  # small tensors laid end to end: one op, one scale, one rounding and scan for all
+            packed = {k: torch.cat([calls[i][k].reshape(-1) for i in group]) if isinstance(v, torch.Tensor) else v
+                      for k, v in calls[group[0]].items()}
+            whole = self._fused_slot(func, op, op_rule, packed) or self._single_op(op, op_rule, packed)
+            start, found = 0, []
+            for i in group:
+                slots[i] = _PartSlot(whole, start, calls[i]["self"].shape, found)
+                start += slots[i].n
         for i, call in enumerate(calls):
+            if slots[i] is not None:
+                continue
             into = call["self"] if in_place and self._writes_in_place(record, i, call["self"]) else None
-            slot = self._fused_slot(func, op, op_rule, call, into)
-            if slot is None:  # small, or not compiled here: the single op in float64
-                up = {k: v.to(torch.float64) if _is_float_tensor(v) else v for k, v in call.items()}
-                a64, k64 = _from_named(op, up, len([a for a in op._schema.arguments if not a.kwarg_only]))
-                y = op(*a64, **k64)
-                slot = _EagerSlot(y, _Analysis(rules.Call(op, a64, k64, [y]), op_rule), 0, self.grid,
-                                  self._epilogues())
-            slots.append(slot)
+            # small, or not compiled here: the single op in float64
+            slots[i] = self._fused_slot(func, op, op_rule, call, into) or self._single_op(op, op_rule, call)
         finals = self._finish_op(func, record, scalars, slots)
         results = [f.view(t.shape) for f, t in zip(finals, named["self"])]
         if info.variant == "inplace":
             for orig, y32 in zip(_named(func, args, kwargs)["self"], results):
                 _write_back(orig, y32)
             return None
-        return results
+        # a packed tensor's result is a view of its group's: each result gets memory of its own, as the op's do
+        return [y.clone() if isinstance(slot, _PartSlot) else y for y, slot in zip(results, slots)]
+
+    def _single_op(self, op, rule, call):
+        """``op`` on the named arguments ``call`` in float64, as an eager slot."""
+        up = {k: v.to(torch.float64) if _is_float_tensor(v) else v for k, v in call.items()}
+        a64, k64 = _from_named(op, up, len([a for a in op._schema.arguments if not a.kwarg_only]))
+        y = op(*a64, **k64)
+        return _EagerSlot(y, _Analysis(rules.Call(op, a64, k64, [y]), rule), 0, self.grid, self._epilogues())
 
     def _try_fused_sum(self, func, rule, args, kwargs, record, scalars):
         named = _named(func, args, kwargs)
@@ -1418,6 +1463,34 @@ def _write_back(orig: torch.Tensor, y32: torch.Tensor):
     if y32.data_ptr() == orig.data_ptr() and y32.stride() == orig.stride() and y32.dtype == orig.dtype:
         return  # the kernel wrote the result in place (_fused_slot's ``into``)
     orig.copy_(y32)
+
+
+def _packs(leaves) -> bool:
+    """Whether a foreach op's small tensors are computed laid end to end (``_packed_groups``): on the CPU, unless
+    ``VERITRAIN_COMPILE`` is 0 (the eager engine: every op as itself, a foreach op tensor by tensor)."""
+    env = hardware._pinned if hardware._pinned is not None else os.environ
+    return env.get("VERITRAIN_COMPILE", "auto") != "0" \
+        and all(x.device.type == "cpu" for x in leaves if isinstance(x, torch.Tensor))
+
+
+def _packed_groups(calls, large) -> list:
+    """The small tensors' single-op calls of a foreach op that can run as one call on their operands laid end
+    to end: every tensor operand of the shape of ``self`` (elementwise, nothing broadcast), the same other
+    arguments (a ScalarList's values may differ: one group per value). Each tensor's result is then what its
+    own call gives, element for element (an elementwise op; its error scale too), at the cost of one op, one
+    scale, one rounding and one scan for all of them, where a tensor each cost more to dispatch than to run
+    (an optimizer's biases and norm weights). Groups of two or more, in order."""
+    groups = {}
+    for i, call in enumerate(calls):
+        shape = call["self"].shape
+        if large[i] or any(isinstance(v, torch.Tensor) and v.shape != shape for v in call.values()):
+            continue
+        key = tuple((k, v.hex() if type(v) is float else v) for k, v in call.items() if not isinstance(v, torch.Tensor))
+        try:
+            groups.setdefault(key, []).append(i)
+        except TypeError:  # an unhashable argument: left as it is
+            continue
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def _writes_apart(calls) -> bool:

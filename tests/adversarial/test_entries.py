@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import audit_json
-from veritrain.engine import EngineConfig, VerifiedMode, _EagerSlot, _FusedSlot, step_context
+from veritrain.engine import EngineConfig, VerifiedMode, _EagerSlot, _FusedSlot, _PartSlot, step_context
 from veritrain.logformat import StepLogReader, StepLogWriter, read_records, write_records
 from veritrain.rounding import UNIT_ROUNDOFF, Grid
 from veritrain.runner import TrainOptions, train
@@ -222,14 +222,18 @@ def test_a_rounding_flipped_beyond_the_error_bound_is_rejected(tmp_path, monkeyp
     assert r["suspicious_details"][0]["kind"] == "direction"
 
 
+@pytest.mark.parametrize("where", ["fused", "packed"])
 @pytest.mark.parametrize("forgery", ["value", "direction"])
-def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeypatch, forgery):
+def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeypatch, forgery, where):
     """The optimizer's foreach update of a large parameter comes from the single op's fused kernel
-    (engine._try_fused_foreach), whose candidates the kernel found: a trainer that adds entries there
-    (a value entry at the other grid neighbour where none is needed, or a rounding flipped more than 1.1 tau
-    from a midpoint: elementwise taus are small, so few results lie within 2 tau) and trains on them is
-    rejected by an auditor on another variant."""
-    monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "256")  # digits-cnn's larger parameters take the path
+    (engine._try_fused_foreach), whose candidates the kernel found; the small parameters' from one op on them
+    laid end to end (``packed``: engine._packed_groups), each parameter's entries a part of its result. A trainer
+    that adds entries there (a value entry at the other grid neighbour where none is needed, or a rounding
+    flipped more than 1.1 tau from a midpoint: elementwise taus are small, so few results lie within 2 tau) and
+    trains on them is rejected by an auditor on another variant."""
+    if where == "fused":
+        monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "256")  # digits-cnn's larger parameters take the path
+    forged_type = _FusedSlot if where == "fused" else _PartSlot
     orig_record, orig_foreach = VerifiedMode._record, VerifiedMode._try_fused_foreach
     forged = []
 
@@ -242,7 +246,7 @@ def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeyp
 
     def record(self, slot, c):
         e = orig_record(self, slot, c)
-        if self.step < 1 or not getattr(self, "_forging", False) or type(slot) is not _FusedSlot:
+        if self.step < 1 or not getattr(self, "_forging", False) or type(slot) is not forged_type:
             return e
         n = int(np.prod(slot.shape))
         every = torch.arange(n)
@@ -270,7 +274,7 @@ def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeyp
         m.setattr(VerifiedMode, "_record", record)
         m.setattr(VerifiedMode, "_try_fused_foreach", foreach)
         train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
-    assert sum(forged) > 0, "no fused foreach output to forge in"
+    assert sum(forged) > 0, f"no {where} foreach output to forge in"
     r = audit_json(run, "combo")
     assert not r["accepted"], f"forged {forgery} entries in fused foreach outputs were accepted"
     assert r["suspicious"] >= 1 and r["suspicious_details"][0]["kind"] == forgery, r["suspicious_details"][:2]

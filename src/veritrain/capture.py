@@ -137,9 +137,10 @@ _CALLS: dict = {}  # signature of a region below the size threshold -> its calls
 
 def _hot(key) -> bool:
     """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (1000; 0
-    never). Compiling a small region costs about a second where the compile cache is cold, and saves under
-    a millisecond a call (docs/SPEED.md): compiled once the eager calls have cost about what the compile
-    does, short runs (and the test suite) never pay for it, and long runs get most of the gain."""
+    never). Compiling a small region cost about 2 s where the compile cache was cold, 0.2 s where it was
+    warm, and saved about 0.6 ms a call (bench/RESULTS.md, session 21): by 1000 calls the eager ones have
+    cost between the two, short runs (and the test suite) never pay for a compile, long runs get most of
+    the gain."""
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     env = hardware._pinned if hardware._pinned is not None else os.environ
     hot = int(env.get("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))

@@ -93,7 +93,7 @@ def test_a_small_region_is_captured_once_its_signature_is_hot(tmp_path, monkeypa
     engine's weights, log and statistics throughout. Each decomposition is called once a step here."""
     eager, eager_stats = train(tmp_path, "eager", "0", monkeypatch)
     assert train(tmp_path, "default", "auto", monkeypatch)[0] == eager
-    assert not capture._CACHE  # 3 calls of each: far from the default's 1000
+    assert not capture._CACHE  # 3 calls of each: far from the default's 5000
     monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "3")
     assert train(tmp_path, "late", "auto", monkeypatch)[0] == eager
     assert regions() and all(r + f == 0 for r, f in regions().values()), regions()  # recorded in step 3

@@ -131,16 +131,16 @@ def enabled_for(numel: int, device) -> bool:
     return compiled_path(numel, device, "VERITRAIN_CAPTURE_MIN_NUMEL", 1 << 16)
 
 
-HOT_CALLS = 1000  # default of VERITRAIN_CAPTURE_HOT_CALLS
+HOT_CALLS = 5000  # default of VERITRAIN_CAPTURE_HOT_CALLS
 _CALLS: dict = {}  # signature of a region below the size threshold -> its calls so far
 
 
 def _hot(key) -> bool:
-    """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (1000; 0
+    """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (5000; 0
     never). Compiling a small region cost about 2 s where the compile cache was cold, 0.2 s where it was
-    warm, and saved about 0.6 ms a call (bench/RESULTS.md, session 21): by 1000 calls the eager ones have
-    cost between the two, short runs (and the test suite) never pay for a compile, long runs get most of
-    the gain."""
+    warm, and saved 0.3-0.4 ms a call in whole training processes (bench/RESULTS.md, session 21): a cold
+    compile paid for itself after about 6000 calls, a warm one after about 600. Short runs (and the test
+    suite) never pay for a compile; long runs get most of the gain."""
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     env = hardware._pinned if hardware._pinned is not None else os.environ
     hot = int(env.get("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))

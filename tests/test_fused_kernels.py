@@ -115,34 +115,44 @@ FOREACH = {  # the optimizers' foreach updates that engine._FOREACH_AS_SINGLE co
 }
 
 
+def _foreach_operands(seed, sizes, name):
+    """(xs, t1, t2) for a foreach op: normal starts (positive for sqrt), normal t1, t2 in [0.5, 1.5)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(s, generator=g) for s in sizes]
+    if name == "sqrt":
+        xs = [x.abs() for x in xs]
+    return xs, [torch.randn(s, generator=g) for s in sizes], [torch.rand(s, generator=g) + 0.5 for s in sizes]
+
+
+def _trained_both_ways(tmp_path, monkeypatch, update, xs0, t1, t2):
+    """compile mode -> (the updated tensors, the log's bytes), for the compiled paths ("auto") and the eager
+    engine ("0")."""
+    runs = {}
+    for compile_mode in ("auto", "0"):
+        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+        xs = [x.clone() for x in xs0]
+        path = tmp_path / f"{compile_mode}.vtlog"
+        with engine.logged_step(WIDE, 0, writer=StepLogWriter(str(path), 0, 32)):
+            update(xs, t1, t2)
+        runs[compile_mode] = (xs, path.read_bytes())
+    return runs
+
+
 @pytest.mark.parametrize("name", FOREACH)
 def test_a_foreach_updates_large_tensors_by_the_single_ops_kernel_with_the_eager_log(tmp_path, monkeypatch, name):
     """A foreach op's large tensors go through their single-tensor op's fused kernel, its small ones through
     that op eagerly; the results and the log's bytes must be the eager foreach op's (VERITRAIN_COMPILE=0),
     with many entries in both kinds of output."""
     monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "4096")
-    g = torch.Generator().manual_seed(1)
-    sizes = [(64, 100), (7,), (5000,), (3, 3, 3), (80, 80)]
-    xs0 = [torch.randn(s, generator=g) for s in sizes]
-    if name == "sqrt":
-        xs0 = [x.abs() for x in xs0]
-    t1 = [torch.randn(s, generator=g) for s in sizes]
-    t2 = [torch.rand(s, generator=g) + 0.5 for s in sizes]
+    xs0, t1, t2 = _foreach_operands(1, [(64, 100), (7,), (5000,), (3, 3, 3), (80, 80)], name)
     fused_slots = []
     real = engine.VerifiedMode._fused_slot
     monkeypatch.setattr(engine.VerifiedMode, "_fused_slot",
                         lambda self, *a: (lambda slot: fused_slots.append(slot) or slot)(real(self, *a)))
-    runs = []
-    for compile_mode in ("auto", "0"):
-        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
-        xs = [x.clone() for x in xs0]
-        path = tmp_path / f"{compile_mode}.vtlog"
-        with engine.logged_step(WIDE, 0, writer=StepLogWriter(str(path), 0, 32)):
-            FOREACH[name](xs, t1, t2)
-        runs.append((xs, path.read_bytes()))
+    runs = _trained_both_ways(tmp_path, monkeypatch, FOREACH[name], xs0, t1, t2)
     assert sum(s is not None for s in fused_slots) == 3, fused_slots  # the three large tensors, compiled
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
-    assert runs[0][1] == runs[1][1]
+    assert all(torch.equal(a, b) for a, b in zip(runs["auto"][0], runs["0"][0]))
+    assert runs["auto"][1] == runs["0"][1]
     with StepLogReader(str(tmp_path / "auto.vtlog"), expect_step=0) as r:
         entries = [o.n_entries for o in r.next_op().outputs]
     assert entries[0] > 0 and entries[1] + entries[3] > 0, entries  # a large output's and a small one's
@@ -165,25 +175,13 @@ def test_a_foreach_ops_small_tensors_laid_end_to_end_give_the_eager_results_and_
     bytes must be the eager foreach op's, tensor by tensor (VERITRAIN_COMPILE=0), with entries in several
     small tensors; and each run's auditor, packed or not, must replay the other's log to the same bits."""
     monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", min_numel)
-    g = torch.Generator().manual_seed(2)
     sizes = [(7,), (64, 100), (3, 3, 3), (40, 60), (3000,), (16,), (1200,), (2, 900)]  # (64, 100) alone is large
-    xs0 = [torch.randn(s, generator=g) for s in sizes]
-    if name == "sqrt":
-        xs0 = [x.abs() for x in xs0]
-    t1 = [torch.randn(s, generator=g) for s in sizes]
-    t2 = [torch.rand(s, generator=g) + 0.5 for s in sizes]
+    xs0, t1, t2 = _foreach_operands(2, sizes, name)
     parts = []
     real = engine._PartSlot.__init__
     monkeypatch.setattr(engine._PartSlot, "__init__",
                         lambda self, whole, *a: parts.append(type(whole)) or real(self, whole, *a))
-    runs = {}
-    for compile_mode in ("auto", "0"):
-        monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
-        xs = [x.clone() for x in xs0]
-        path = tmp_path / f"{compile_mode}.vtlog"
-        with engine.logged_step(WIDE, 0, writer=StepLogWriter(str(path), 0, 32)):
-            PACKED[name](xs, t1, t2)
-        runs[compile_mode] = (xs, path.read_bytes())
+    runs = _trained_both_ways(tmp_path, monkeypatch, PACKED[name], xs0, t1, t2)
     whole = engine._FusedSlot if min_numel == "4096" else engine._EagerSlot
     assert len(parts) >= 4 and set(parts) == {whole}, parts
     assert all(torch.equal(a, b) for a, b in zip(runs["auto"][0], runs["0"][0]))

@@ -9,6 +9,7 @@ under another emulated CPU (``--variant combo``); the game must end with ``train
 
 import contextlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -243,7 +244,7 @@ def test_9_the_referee_uses_its_own_non_tensor_arguments(tmp_path):
 def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_path):
     """#11: every hash matches, the audit rejects only for one suspicious log entry; the game must not end
     in no_dispute: the referee recomputes that op with the trainer's log record and confirms it."""
-    from veritrain.engine import _EagerSlot
+    from veritrain.engine import _EagerSlot, _PartSlot
 
     grid = Grid(32)
     orig = VerifiedMode._record
@@ -251,9 +252,13 @@ def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_pat
 
     def record(self, slot, c):
         e = orig(self, slot, c)
-        if self.step == STEER_STEP and not steered and isinstance(slot, _EagerSlot) and slot.y64.numel() >= 64 \
-                and str(slot.analysis.call.func) == "aten._foreach_addcdiv.ScalarList":  # AdamW's update
-            flat = slot.y64.reshape(-1)
+        # AdamW's update of a parameter: a part of the foreach op's small tensors laid end to end (or, computed
+        # tensor by tensor, its own output)
+        whole = slot.whole if isinstance(slot, _PartSlot) else slot
+        if self.step == STEER_STEP and not steered and isinstance(whole, _EagerSlot) \
+                and math.prod(slot.shape) >= 64 \
+                and str(whole.analysis.call.func) in ("aten.addcdiv.default", "aten._foreach_addcdiv.ScalarList"):
+            flat = slot.values_at(torch.arange(math.prod(slot.shape)))
             y32 = slot.y32.view(-1)
             taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
             far = [p for p in (grid.midpoint_distance(flat) > grid.spacing_at(flat) / 4).nonzero().flatten().tolist()
@@ -265,7 +270,7 @@ def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_pat
                 pos = np.append(e.dir_pos, p)
                 order = np.argsort(pos)
                 e.dir_pos, e.dir_bits = pos[order], np.append(e.dir_bits, away)[order]
-                steered.update(op=str(slot.analysis.call.func), position=p, op_index=self.op_index)
+                steered.update(op=str(whole.analysis.call.func), position=p, op_index=self.op_index)
         return e
 
     run = tmp_path / "steered"

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 
 import numpy as np
@@ -137,13 +136,13 @@ _CALLS: dict = {}  # signature of a region below the size threshold -> its calls
 
 def _hot(key) -> bool:
     """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (5000; 0
-    never). Compiling a small region cost about 2 s where the compile cache was cold, 0.2 s where it was
-    warm, and saved 0.3-0.4 ms a call in whole training processes (bench/RESULTS.md, session 21): a cold
-    compile paid for itself after about 6000 calls, a warm one after about 600. Short runs (and the test
+    never). Compiling the default ResNet's small regions cost its trainer 12.7 s with a cold compile cache
+    and 1.2 s with a warm one, and saved 6-8 ms a step in whole training processes (bench/RESULTS.md,
+    session 21): a cold compile paid for itself after about 2000 steps, a warm one after about 200. Short
+    runs (and the test
     suite) never pay for a compile; long runs get most of the gain."""
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
-    env = hardware._pinned if hardware._pinned is not None else os.environ
-    hot = int(env.get("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))
+    hot = int(hardware.setting("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))
     return 0 < hot <= n
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -750,9 +749,10 @@ class VerifiedMode(TorchDispatchMode):
             done = self._try_fused(func, rule, info, leaves, spec, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:
                 return done
-        if rule.kind == rules.APPROX and (info.functional or func) in _FOREACH_AS_SINGLE and self.probe is None \
-                and self.emulate is None and (fusable or _packs(leaves)):
-            done = self._try_fused_foreach(func, rule, info, leaves, spec, args, kwargs, record, scalars)
+        packs = rule.kind == rules.APPROX and (info.functional or func) in _FOREACH_AS_SINGLE and self.probe is None \
+            and self.emulate is None and _packs(leaves)
+        if packs or fusable and rule.kind == rules.APPROX and (info.functional or func) in _FOREACH_AS_SINGLE:
+            done = self._try_fused_foreach(func, rule, info, leaves, spec, args, kwargs, record, scalars, packs)
             if done is not _NOT_FUSED:
                 return done
         if fusable and func in _FUSED_SUMS:
@@ -919,7 +919,7 @@ class VerifiedMode(TorchDispatchMode):
         return _FusedSlot(y32.reshape(-1), None if cand is None else cand.reshape(-1), compute, operands, extra,
                           plan.shape, rule.op_class)
 
-    def _try_fused_foreach(self, func, rule, info, leaves, spec, args, kwargs, record, scalars):
+    def _try_fused_foreach(self, func, rule, info, leaves, spec, args, kwargs, record, scalars, packs):
         """A foreach op (an optimizer's update of every parameter) with large tensors: each tensor's result is
         its single-tensor op's (``_FOREACH_AS_SINGLE``: the same value, the same error scale and class), from
         that op's fused kernel where the tensor is large and eagerly otherwise, in one record with an output
@@ -934,7 +934,7 @@ class VerifiedMode(TorchDispatchMode):
         if not calls or any(_is_float_tensor(v) and v.dtype != torch.float32 for c in calls for v in c.values()):
             return _NOT_FUSED
         large = [FusedKernels.enabled_for(c["self"].numel(), c["self"].device) for c in calls]
-        packs = _packed_groups(calls, large) if _packs(leaves) else []
+        packs = _packed_groups(calls, large) if packs else []
         if not any(large) and not packs:
             return _NOT_FUSED
         op_rule = rules.lookup(op, calls[0])
@@ -1468,8 +1468,7 @@ def _write_back(orig: torch.Tensor, y32: torch.Tensor):
 def _packs(leaves) -> bool:
     """Whether a foreach op's small tensors are computed laid end to end (``_packed_groups``): on the CPU, unless
     ``VERITRAIN_COMPILE`` is 0 (the eager engine: every op as itself, a foreach op tensor by tensor)."""
-    env = hardware._pinned if hardware._pinned is not None else os.environ
-    return env.get("VERITRAIN_COMPILE", "auto") != "0" \
+    return hardware.setting("VERITRAIN_COMPILE", "auto") != "0" \
         and all(x.device.type == "cpu" for x in leaves if isinstance(x, torch.Tensor))
 
 

@@ -222,9 +222,8 @@ def compiled_path(numel: int, device, min_numel_variable: str, default_min_numel
     as eager ops do (fused.compiled_code_rounds: checked once)."""
     if getattr(device, "type", device if isinstance(device, str) else "").split(":")[0] != "cpu":
         return False
-    env = _pinned if _pinned is not None else os.environ
-    mode = env.get("VERITRAIN_COMPILE", "auto")
-    if mode == "0" or (mode != "1" and numel < int(env.get(min_numel_variable, default_min_numel))):
+    mode = setting("VERITRAIN_COMPILE", "auto")
+    if mode == "0" or (mode != "1" and numel < int(setting(min_numel_variable, default_min_numel))):
         return False
     return _compiler_ok if _compiler_ok is not None else _check_compiler()
 
@@ -242,6 +241,11 @@ def _check_compiler() -> bool:
 
 
 _pinned: dict | None = None  # the VERITRAIN_* settings while steps run (pinned_settings)
+
+
+def setting(name: str, default):
+    """A ``VERITRAIN_*`` variable as pinned for the running step (``pinned_settings``), else as set now."""
+    return (_pinned if _pinned is not None else os.environ).get(name, default)
 _pins = 0
 
 

@@ -53,6 +53,19 @@ def test_a_sums_scale_and_certificate_follow_the_definition(shape, dims, keep):
     assert callable(REDUCTIONS.get((len(sizes), reduced)))  # the compiled pass ran (large inputs), no fallback
 
 
+def test_a_float32_quantum_follows_its_definition():
+    """rules._quantum (from the exponent bits) is float32's ulp at each float64 magnitude: 2**(e - 23) for
+    values in [2**e, 2**(e + 1)), 2**-149 at least (float64 subnormals included), inf for 0, inf and NaN."""
+    rng = np.random.default_rng(5)
+    values = np.abs(rng.standard_normal(4000)) * 2.0 ** rng.integers(-1074, 1024, 4000).astype(np.float64)
+    edges = [2.0 ** k for k in range(-1074, 1024, 7)] + [np.nextafter(2.0 ** k, 0) for k in range(-1000, 1000, 13)]
+    specials = [0.0, math.inf, math.nan, 5e-324, 2.0 ** -1022, 2.0 ** -149, 2.0 ** -126, 1.0, 1.5, np.finfo(np.float64).max]
+    x = np.concatenate([values[np.isfinite(values)], edges, specials])
+    want = [math.inf if v == 0 or not math.isfinite(v) else 2.0 ** max(math.frexp(v)[1] - 1 - 23, -149) for v in x]
+    got = rules._quantum(torch.from_numpy(x)).numpy()
+    assert got.tolist() == want
+
+
 def test_a_batch_norms_sum_over_n_h_w_takes_the_compiled_pass():
     """Reduced dimensions that are not adjacent (a BatchNorm's statistics and gradients) are merged into
     runs, (N, C, H*W) reduced over 0 and 2: one compiled pass, not the eager ops; and every pattern keeps

@@ -418,9 +418,12 @@ _EXACT_LIMIT = 2.0**52  # one bit of margin below 2**53
 
 
 def _quantum(absx: torch.Tensor) -> torch.Tensor:
-    """float32 ulp of each magnitude (2**-149 below the normal range); inf for 0 and inf."""
-    _, e = torch.frexp(absx)
-    q = (torch.clamp(e - 24, min=-149).to(torch.int64) + 1023).bitwise_left_shift_(52).view(torch.float64)
+    """float32 ulp of each float64 magnitude (2**-149 below the normal range); inf for 0 and inf. From the
+    exponent bits (absx in [2**e, 2**(e+1)) has ulp 2**(e-23)), not torch.frexp: the same values (float64
+    subnormals clamp to 2**-149 either way), and torch.compile's vectorised CPU code for frexp does not
+    compile (torch 2.13: bench/step_graph_bound.py traces these scales into one graph)."""
+    e = ((absx.view(torch.int64) >> 52) & 2047) - 1023
+    q = ((torch.clamp(e - 23, min=-149) + 1023) << 52).view(torch.float64)
     return torch.where((absx == 0) | ~torch.isfinite(absx), torch.full_like(absx, math.inf), q)
 
 

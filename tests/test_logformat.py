@@ -9,8 +9,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from veritrain import logformat
 from veritrain.logformat import (MAGIC, LogFormatError, OpRecord, OutputEntries, QuietRun, StepLogReader,
-                                 StepLogWriter, decode_varints, dense_encoding_bytes, encode_varints, gaps_to_positions,
+                                 StepLogWriter, decode_positions, decode_varints, dense_encoding_bytes, encode_varints, gaps_to_positions,
                                  positions_to_gaps, read_records, write_records)
 
 
@@ -26,6 +27,59 @@ def test_varints_round_trip(values):
 def test_gap_coding_round_trip(positions):
     pos = np.array(sorted(positions), dtype=np.int64)
     assert gaps_to_positions(positions_to_gaps(pos)).tolist() == pos.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sets(st.integers(min_value=0, max_value=2**40), max_size=40))
+def test_few_positions_encode_as_the_vectorised_path_does(positions):
+    pos = np.array(sorted(positions), dtype=np.int64)
+    assert logformat.encode_positions(pos) == encode_varints(positions_to_gaps(pos))
+
+
+def _decoded(buf, count, numel):
+    try:
+        return decode_positions(buf, count, numel).tolist()
+    except LogFormatError:
+        return "error"
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sets(st.integers(min_value=0, max_value=2**20), min_size=1, max_size=40), st.integers(-3, 2**21),
+       st.integers(-2, 2), st.lists(st.tuples(st.integers(0, 80), st.integers(0, 255)), max_size=3),
+       st.binary(max_size=3))
+def test_few_positions_decode_as_the_vectorised_path_does(positions, numel_extra, count_extra, edits, tail):
+    """The Python decoder of a few positions accepts and refuses what the NumPy one does: honest blocks, blocks
+    with bytes changed or added, counts and output sizes that do not match."""
+    pos = sorted(positions)
+    buf = bytearray(encode_varints(positions_to_gaps(np.array(pos, dtype=np.int64))) + tail)
+    for i, b in edits:
+        if i < len(buf):
+            buf[i] = b
+    count = max(1, len(pos) + count_extra)
+    numel = max(1, pos[-1] + 1 + numel_extra)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logformat, "_FEW", 64)
+        few = _decoded(bytes(buf), count, numel)
+        mp.setattr(logformat, "_FEW", 0)
+        assert few == _decoded(bytes(buf), count, numel)
+    if not edits and not tail and not count_extra and numel_extra >= 0:
+        assert few == pos
+
+
+@pytest.mark.parametrize("buf,count,want", [
+    (b"\x63", 1, [99]), (b"\x00\x62", 2, [0, 99]),
+    (b"\x64", 1, "error"),  # a gap past the output
+    (b"\x00\x63", 2, "error"),  # a position past the output
+    (b"\x85\x00", 1, "error"),  # a varint longer than the output's largest gap needs
+    (b"\x85", 1, "error"),  # ends inside a varint
+    (b"\x05\x01", 1, "error"), (b"\x05", 2, "error"),  # more, fewer values than the count
+])
+def test_few_and_many_positions_decode_alike_at_the_edges(buf, count, want, monkeypatch):
+    """Both decoders of an output of 100 elements (gaps of one byte) at the edges of what they accept."""
+    monkeypatch.setattr(logformat, "_FEW", 64)
+    assert _decoded(buf, count, 100) == want
+    monkeypatch.setattr(logformat, "_FEW", 0)
+    assert _decoded(buf, count, 100) == want
 
 
 @st.composite

@@ -282,6 +282,21 @@ def write_section(path: str, section: str):
         f.write(text)
 
 
+def each_workload(ap, names: str, shared: str, measure, steps: int):
+    """``measure(task_ref, config, steps, progress=...)`` for each of the comma-separated workloads: (results,
+    descriptions) by name; an unknown name is the argument parser's error."""
+    known = workloads(shared)
+    results, descriptions = {}, {}
+    for name in names.split(","):
+        if name not in known:
+            ap.error(f"unknown workload {name!r}; known: {', '.join(known)}")
+        task_ref, config, description = known[name]
+        print(f"{name}: {description}", flush=True)
+        results[name] = measure(task_ref, config, steps, progress=lambda s: print(f"{name}{s}", flush=True))
+        descriptions[name] = description
+    return results, descriptions
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="gpt2,resnet,digits")
@@ -296,16 +311,8 @@ def main(argv=None):
     from veritrain import hardware
 
     hardware.apply_process_settings()
-    known = workloads(args.shared)
-    results, descriptions = {}, {}
-    for name in args.workloads.split(","):
-        if name not in known:
-            ap.error(f"unknown workload {name!r}; known: {', '.join(known)}")
-        task_ref, config, description = known[name]
-        print(f"{name}: {description}", flush=True)
-        results[name] = measure(task_ref, config, args.steps, progress=lambda s: print(f"{name}{s}", flush=True),
-                                device=args.device)
-        descriptions[name] = description
+    results, descriptions = each_workload(ap, args.workloads, args.shared,
+                                          lambda *a, **k: measure(*a, **k, device=args.device), args.steps)
     command = "python bench/profile_engine.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     section = markdown(results, descriptions, command.strip(), machine(args.device), args.section)
     print(section)

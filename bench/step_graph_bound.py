@@ -38,8 +38,6 @@ import statistics
 import sys
 import time
 
-# the rules' helpers (sums of squares, norms) as eager ops, so that they trace into the step's graph
-os.environ["VERITRAIN_COMPILE"] = "0"
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -50,7 +48,7 @@ from torch._inductor.compile_fx import compile_fx_inner  # noqa: E402
 from torch._inductor.decomposition import select_decomp_table  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from profile_engine import workloads, write_section  # noqa: E402
+from profile_engine import each_workload, write_section  # noqa: E402
 from veritrain import rules  # noqa: E402
 from veritrain.engine import EngineConfig, _named  # noqa: E402
 from veritrain.rounding import Grid, stability_flag  # noqa: E402
@@ -213,17 +211,11 @@ def main(argv=None):
     from bench_engine import machine
     from veritrain import hardware
 
+    # the rules' helpers (sums of squares, norms) as eager ops, so that they trace into the step's graph
+    os.environ["VERITRAIN_COMPILE"] = "0"
     hardware.apply_process_settings()
     inductor_config.fallback_random = True  # random ops as eager ATen calls (veritrain draws its own anyway)
-    known = workloads(args.shared)
-    results, descriptions = {}, {}
-    for name in args.workloads.split(","):
-        if name not in known:
-            ap.error(f"unknown workload {name!r}; known: {', '.join(known)}")
-        task_ref, config, description = known[name]
-        print(f"{name}: {description}", flush=True)
-        results[name] = measure(task_ref, config, args.steps, progress=lambda s: print(f"{name}{s}", flush=True))
-        descriptions[name] = description
+    results, descriptions = each_workload(ap, args.workloads, args.shared, measure, args.steps)
     command = "python bench/step_graph_bound.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     section = markdown(results, descriptions, command.strip(), machine("cpu"))
     print(section)

@@ -58,3 +58,33 @@ def test_the_mask_bench_times_each_format_and_finds_the_same_candidates(capsys):
     assert flags.nonzero().squeeze(1).tolist() == [0, 2, 156]
     # the kernels' test flags none of these (their scale |y| / 1.7 leaves no rounding in doubt), nor others
     assert not bench_masks.stability(x, s)[1].any()
+
+
+def test_the_graph_bound_rounds_what_the_engine_rounds_and_scans_its_approximate_ops(monkeypatch):
+    """bench/step_graph_bound.py's rewrite of an aten graph: every result the engine rounds (its rule exact or
+    approximate, as the engine picks it) comes out on the float32 grid; only approximate ops get a scale and a
+    test, and views are left alone."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import step_graph_bound
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")
+
+    def step(x, w, b):
+        y = torch.nn.functional.conv2d(x, w) + b  # convolution: approximate; add (alpha 1): exact
+        return (y * y).sum(), y.view(-1)  # mul: exact; sum: approximate; view: neither
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=g).double() for s in ((2, 3, 6, 6), (4, 3, 3, 3), (4, 1, 1))]
+    graph = make_fx(step)(*args)
+    for scan in (False, True):
+        seen = {"approximate ops": 0, "exact ops": 0, "no rule": set()}
+        run = step_graph_bound._Rounding(graph, scan, seen)
+        loss, y = run.run(*args)
+        assert seen == {"approximate ops": 2, "exact ops": 2, "no rule": set()}, seen
+        assert len(run.flags) == (2 if scan else 0)
+        for t in (loss, y):
+            assert t.dtype == torch.float64 and torch.equal(t, t.float().double())
+        plain = step(*args)
+        assert not torch.equal(plain[1], plain[1].float().double())  # so the rounding took place

@@ -1,6 +1,6 @@
-"""What a verified step could cost as one compiled graph: the float64 step with every approximate op's result
-rounded to the float32 grid and tested for near-midpoint candidates with the engine's error scales, compiled
-whole by torch.compile, against the plain float64 step the engine's ratios are measured against.
+"""What a verified step could cost as one compiled graph: the float64 step with every result the engine rounds
+rounded to the float32 grid, and the approximate ones tested for near-midpoint candidates with the engine's error
+scales, compiled whole by torch.compile, against the plain float64 step the engine's ratios are measured against.
 
     python bench/step_graph_bound.py                                  # resnet (default size), digits-cnn
     python bench/step_graph_bound.py --workloads digits --steps 10 --no-write
@@ -60,8 +60,9 @@ THRESHOLDS = EngineConfig().thresholds
 
 
 class _Rounding(torch.fx.Interpreter):
-    """Runs an aten graph, rounding each approximate op's float64 results to float32 and back; with ``scan``,
-    also adds each result's candidate count to ``self.flags``. Counts what it did in ``seen``."""
+    """Runs an aten graph, rounding the float64 results of each op the engine rounds (exact and approximate
+    ops) to float32 and back; with ``scan``, also adds each approximate result's candidate count to ``self.flags``.
+    Counts what it did in ``seen``."""
 
     def __init__(self, gm, scan: bool, seen: dict):
         super().__init__(gm)

@@ -23,7 +23,9 @@ Runs, alternating in one process (medians of same-step ratios to ``fp64``):
 A custom torch.compile backend gets the forward, backward and optimizer graphs at the aten level (AOT autograd
 with inductor's decompositions), re-traces each with the rounding (and scan) after every op the engine rounds,
 and compiles the result with inductor. The script checks that the rounding took place (the rounded steps'
-weights lie on the float32 grid). It is a cost bound, not a verified step: the ops are inductor's
+weights lie on the float32 grid) and stops where it did not: GPT-2 2 x 128 (``--workloads gpt2``, AdamW with a
+learning-rate schedule) stops there, its weights off the grid after the rewritten steps, so some of its step ran
+outside the rewritten graphs (not investigated: that workload meets its targets in the engine itself). It is a cost bound, not a verified step: the ops are inductor's
 decomposition (BatchNorm's steps are not decompositions.py's), ops without an engine rule (inductor's prims)
 are left as they are, random ops run eagerly, and nothing classifies the candidates, checks a log's entries or
 writes a log. Writes the "One graph per step" section of bench/RESULTS.md unless --no-write.
@@ -169,9 +171,10 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
     # the rounding took place: the rounded steps' weights (last written by their optimizer's rounded ops) lie
     # on the float32 grid, the plain float64 step's do not
     for name in RUNS:
-        on_grid = all(bool((p == p.float().double()).all()) for p in tasks[name].model.parameters())
-        if on_grid != name.startswith("rounded"):
-            raise RuntimeError(f"{name}: weights {'on' if on_grid else 'off'} the float32 grid")
+        off = [n for n, p in tasks[name].model.named_parameters() if not bool((p == p.float().double()).all())]
+        if bool(off) == name.startswith("rounded"):
+            raise RuntimeError(f"{name}: weights {'off' if off else 'on'} the float32 grid"
+                               + (f" ({', '.join(off[:4])}{', ...' if len(off) > 4 else ''})" if off else ""))
     fp64 = times["fp64"]
     return {"median_ms": {r: statistics.median(t) * 1000 for r, t in times.items()},
             "over_fp64": {r: statistics.median(t / f for t, f in zip(times[r], fp64)) for r in RUNS},

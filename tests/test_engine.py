@@ -58,6 +58,68 @@ def test_sqrt_is_not_treated_as_exact():
     assert rules.lookup(aten._foreach_sqrt.default).kind == rules.APPROX
 
 
+@pytest.mark.parametrize("dims,kernel,stride,dilation,padding,ceil,exact", [
+    (2, 2, 2, 1, 0, False, True), (2, 3, 3, 1, 1, True, True), (2, [2, 3], [2, 4], [1, 1], [1, 0], False, True),
+    (2, 2, 3, 2, 1, False, True), (3, 2, 2, 1, 0, True, True),
+    (2, 3, 2, 1, 1, False, False),  # windows overlap: a sum
+    (2, 2, 2, 2, 0, False, False),  # dilated windows overlap (0, 2) and (2, 4)
+])
+def test_a_max_pools_gradient_is_exact_where_its_windows_do_not_overlap(dims, kernel, stride, dilation, padding, ceil,
+                                                                         exact):
+    """Where no two windows share an input position, a max pool's gradient puts one term or zero at each input:
+    an exact op (its float32 kernel gives the float64 result rounded, bit for bit); overlapping windows stay
+    approximate, their count of windows per position (the error scale's n) from the definition."""
+    from veritrain import rules
+
+    g = torch.Generator().manual_seed(1)
+    size = (2, 3) + (9,) * dims
+    x = torch.randint(-3, 4, size, generator=g).float()  # ties inside windows: the picked index matters
+    pool = F.max_pool2d if dims == 2 else F.max_pool3d
+    out, idx = pool(x, kernel, stride, padding, dilation, ceil, return_indices=True)
+    go = torch.randn(out.shape, generator=g) * torch.logspace(-20, 20, out.numel()).view(out.shape)
+    func = aten.max_pool2d_with_indices_backward.default if dims == 2 else aten.max_pool3d_with_indices_backward.default
+    per_dim = (lambda v: list(v) if isinstance(v, list) else [v] * dims)
+    args = (go, x, per_dim(kernel), per_dim(stride), per_dim(padding), per_dim(dilation), ceil, idx)
+    from veritrain.engine import _named
+
+    rule = rules.lookup(func, _named(func, args, {}))
+    assert (rule.kind == rules.EXACT) == exact
+    if exact:
+        assert torch.equal(func(*args), func(go.double(), x.double(), *args[2:]).float())
+    else:
+        assert rule.kind == rules.APPROX
+
+
+def test_digits_cnns_pooling_gradient_as_an_exact_op_gives_the_approximate_ops_run(tmp_path, monkeypatch):
+    """digits-cnn pools 2 x 2 with stride 2. Its pooling gradient as an exact op (the float32 kernel) gives the
+    weights and log bytes it gave as an approximate op (float64, rounded and scanned: its exact results were never
+    candidates), with fewer values analysed."""
+    from veritrain import rules
+    from veritrain.engine import logged_step
+    from veritrain.runner import _prepare_batch, _prepare_model
+    from veritrain.task import build
+
+    def train(name):
+        task = build("digits-cnn", {})
+        _prepare_model(task, "verified", Grid(32))
+        analysed = 0
+        for step in range(2):
+            writer = StepLogWriter(str(tmp_path / f"{name}{step}.vtlog"), step, 32)
+            with logged_step(EngineConfig(), step, writer=writer) as mode:
+                task.run_step(_prepare_batch(task.batch(step), "verified", Grid(32)))
+            analysed += mode.stats.analysed
+        logs = [(tmp_path / f"{name}{step}.vtlog").read_bytes() for step in range(2)]
+        return [t.clone() for t in task.model.state_dict().values()], logs, analysed
+
+    exact = train("exact")
+    monkeypatch.setitem(rules.RULES, "max_pool2d_with_indices_backward",
+                        rules._acc(rules._linear_op_of_abs(rules._pool_overlap)))
+    approx = train("approx")
+    assert all(torch.equal(a, b) for a, b in zip(exact[0], approx[0]))
+    assert exact[1] == approx[1]
+    assert exact[2] < approx[2]
+
+
 def test_model_step_keeps_dtypes_and_values_on_a_coarse_grid(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),

@@ -66,6 +66,18 @@ def test_a_float32_quantum_follows_its_definition():
     assert got.tolist() == want
 
 
+def test_pooling_windows_per_position_follow_the_definition():
+    """rules._windows_per_position (a pooling backward's terms per input, the error scale's n) is the most windows
+    of kernel k, stride s, dilation d that cover one position, counted position by position along a long row."""
+    for k in range(1, 5):
+        for s in range(1, 5):
+            for d in range(1, 4):
+                covering = collections.Counter(w * s + j * d for w in range(60) for j in range(k))
+                most = max(n for p, n in covering.items() if (k - 1) * d < p < 60 * s - (k - 1) * d)
+                assert rules._windows_per_position([k, 1], [s, 1], [d, 1]) == most, (k, s, d)
+    assert rules._windows_per_position(2, [], None) == 1  # stride defaults to the kernel
+
+
 def test_a_batch_norms_sum_over_n_h_w_takes_the_compiled_pass():
     """Reduced dimensions that are not adjacent (a BatchNorm's statistics and gradients) are merged into
     runs, (N, C, H*W) reduced over 0 and 2: one compiled pass, not the eager ops; and every pattern keeps

@@ -635,15 +635,38 @@ def _linear_op_of_abs(n_terms: Callable):
 
 
 def _pool_overlap(call):
-    k = call.arg("kernel_size")
-    stride = call.arg("stride") or k
-    k = list(k) if isinstance(k, (list, tuple)) else [k]
+    return _windows_per_position(call.arg("kernel_size"), call.arg("stride"), call.arg("dilation"))
+
+
+def _windows_per_position(kernel, stride, dilation=None) -> int:
+    """The most pooling windows that cover one input position (a pooling op's backward sums that many terms
+    there). Per dimension, window w covers w * s + j * d for j < k: a position p is in window w for the j with
+    j * d = p (mod s), one in every s / gcd(d, s) consecutive j, so at most ceil(k * gcd(d, s) / s) windows
+    (ceil(k / s) without dilation: a dilated window, d = 2, k = 2, s = 2, shares a position with the next)."""
+    k = list(kernel) if isinstance(kernel, (list, tuple)) else [kernel]
+    stride = stride or k
     stride = list(stride) if isinstance(stride, (list, tuple)) else [stride]
-    if len(stride) == 1 and len(k) > 1:
-        stride = stride * len(k)
-    if len(k) == 1 and len(stride) > 1:
-        k = k * len(stride)
-    return math.prod(-(-ki // max(si, 1)) for ki, si in zip(k, stride))
+    n = max(len(k), len(stride))
+    dilation = dilation or [1]
+    dilation = list(dilation) if isinstance(dilation, (list, tuple)) else [dilation]
+    k, stride, dilation = (v * n if len(v) == 1 else v for v in (k, stride, dilation))
+    out = 1
+    for ki, si, di in zip(k, stride, dilation):
+        si = max(int(si), 1)
+        out *= -(-int(ki) * math.gcd(max(int(di), 1), si) // si)
+    return out
+
+
+def _max_pool_backward_rule(a):
+    """A max pool's gradient scatters each output's gradient to the input position its window picked: where no
+    two windows share a position, each input's gradient is one term or zero, which the float32 kernel gives
+    exactly (no sum, so no rounding an error model must bound). Overlapping windows sum several terms. (Indices
+    the task's code made up rather than took from the forward could point several outputs at one input; both
+    sides run that code, and only such a sum of three or more terms could round differently.)"""
+    kernel = a.get("kernel_size")
+    if kernel is not None and _windows_per_position(kernel, a.get("stride"), a.get("dilation")) == 1:
+        return EXACT_RULE
+    return _acc(_linear_op_of_abs(_pool_overlap))
 
 
 def _pool_window(call):
@@ -1028,8 +1051,8 @@ RULES.update({
     "avg_pool2d": _acc(_linear_op_of_abs(_pool_window)), "avg_pool3d": _acc(_linear_op_of_abs(_pool_window)),
     "avg_pool2d_backward": _acc(_linear_op_of_abs(_pool_overlap)),
     "avg_pool3d_backward": _acc(_linear_op_of_abs(_pool_overlap)),
-    "max_pool2d_with_indices_backward": _acc(_linear_op_of_abs(_pool_overlap)),
-    "max_pool3d_with_indices_backward": _acc(_linear_op_of_abs(_pool_overlap)),
+    "max_pool2d_with_indices_backward": Choose(_max_pool_backward_rule),
+    "max_pool3d_with_indices_backward": Choose(_max_pool_backward_rule),
     "_adaptive_avg_pool2d": _acc(_linear_op_of_abs(_adaptive_window)),
     "_adaptive_avg_pool3d": _acc(_linear_op_of_abs(_adaptive_window)),
     "_adaptive_avg_pool2d_backward": _acc(_linear_op_of_abs(lambda c: 4)),

@@ -278,3 +278,40 @@ def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeyp
     r = audit_json(run, "combo")
     assert not r["accepted"], f"forged {forgery} entries in fused foreach outputs were accepted"
     assert r["suspicious"] >= 1 and r["suspicious_details"][0]["kind"] == forgery, r["suspicious_details"][:2]
+
+
+def test_entries_on_an_exact_max_pool_gradient_are_rejected(tmp_path, monkeypatch):
+    """digits-cnn's pooling gradient (2 x 2 windows, stride 2: no input in two windows) is an exact op, which no
+    honest trainer logs an entry for. A trainer that moves some of its results to the next grid value, trains on
+    them and logs them as value entries is rejected by an auditor on another variant."""
+    orig = VerifiedMode._finish_op
+    moved = []
+
+    def finish(self, func, record, scalars, slots):
+        if self.writer is None or self.step < 1 or func is not torch.ops.aten.max_pool2d_with_indices_backward.default:
+            return orig(self, func, record, scalars, slots)
+        y = slots[0].y32.view(-1)
+        pos = y.nonzero().flatten()[:5]
+        y[pos] = torch.nextafter(y[pos], torch.full_like(y[pos], float("inf")))
+        write = self.writer.op
+
+        def op(name, sc, outputs, rounded):
+            add_value_entries(outputs[0], pos, y[pos])
+            return write(name, sc, outputs, rounded)
+
+        self.writer.op = op
+        try:
+            return orig(self, func, record, scalars, slots)
+        finally:
+            del self.writer.op
+            moved.append(len(pos))
+
+    monkeypatch.setattr(VerifiedMode, "_finish_op", finish)
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
+    monkeypatch.undo()
+    assert sum(moved) > 0
+    r = audit_json(run, "combo")
+    assert not r["accepted"] and r["suspicious"] >= 1, r["reasons"]
+    first = r["suspicious_details"][0]
+    assert "max_pool2d_with_indices_backward" in first["op"] and first["kind"] == "exact", r["suspicious_details"][:2]

@@ -180,7 +180,7 @@ def positions_to_gaps(pos: np.ndarray) -> np.ndarray:
 
 
 # Below this many positions a block is encoded and decoded by a Python loop: most outputs with entries have one
-# to three, where NumPy's per-call cost was ~20x the work (encode 31 us against 1.5, decode 18 us).
+# to three, where NumPy's per-call cost is many times the work (the log category fell: docs/SPEED.md).
 _FEW = 32
 
 

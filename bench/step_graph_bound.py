@@ -23,10 +23,10 @@ Runs, alternating in one process (medians of same-step ratios to ``fp64``):
 A custom torch.compile backend gets the forward, backward and optimizer graphs at the aten level (AOT autograd
 with inductor's decompositions), re-traces each with the rounding (and scan) after every op the engine rounds,
 and compiles the result with inductor. The script checks that the rounding took place (the rounded steps'
-weights lie on the float32 grid) and stops where it did not: GPT-2 2 x 128 (``--workloads gpt2``) stops there, its weights off the grid,
-because torch.compile does not trace an optimizer's step that a learning-rate scheduler has wrapped
-(``TORCH_LOGS=graph_breaks``: "Apply dont_skip_tracing to the function Adam.step"), so its AdamW ran eagerly in
-float64 (that workload meets its targets in the engine itself). It is a cost bound, not a verified step: the ops are inductor's
+weights lie on the float32 grid) and stops where it did not: GPT-2 2 x 128 (``--workloads gpt2``) stops there after a few steps, its weights
+off the grid, so part of its optimizer's work ran outside the rewritten graphs (``TORCH_LOGS=graph_breaks``
+shows dynamo breaking the graph at its scheduler-wrapped ``Adam.step``; which part ran eagerly was not pinned
+down; that workload meets its targets in the engine itself). It is a cost bound, not a verified step: the ops are inductor's
 decomposition (BatchNorm's steps are not decompositions.py's), ops without an engine rule (inductor's prims)
 are left as they are, random ops run eagerly, and nothing classifies the candidates, checks a log's entries or
 writes a log. Writes the "One graph per step" section of bench/RESULTS.md unless --no-write.

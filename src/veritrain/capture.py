@@ -139,8 +139,7 @@ def _hot(key) -> bool:
     never). Compiling the default ResNet's small regions cost its trainer 12.7 s with a cold compile cache
     and 1.2 s with a warm one, and saved 6-8 ms a step in whole training processes (bench/RESULTS.md,
     session 21): a cold compile paid for itself after about 2000 steps, a warm one after about 200. Short
-    runs (and the test
-    suite) never pay for a compile; long runs get most of the gain."""
+    runs (and the test suite) never pay for a compile; long runs get most of the gain."""
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     hot = int(hardware.setting("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))
     return 0 < hot <= n

@@ -1,6 +1,10 @@
-"""Captured composites (capture.py): a decomposed operator replayed as one compiled function gives the eager
-engine's results and log, bit for bit, for the trainer and the auditor; anything the eager engine would log
-or check inside a region (a candidate, a log entry, a scalar entry, another record) runs it step by step."""
+"""Captured composites (capture.py): a decomposed operator replayed as one function, compiled or run as
+Python, gives the eager engine's results and log, bit for bit, for the trainer and the auditor; anything the
+eager engine would log or check inside a region (a candidate, a log entry, a scalar entry, another record)
+runs it step by step.
+
+Every region here is below the size threshold: with VERITRAIN_COMPILE=1 each replays compiled, by default
+("auto") each replays as Python."""
 
 import hashlib
 import warnings
@@ -70,13 +74,24 @@ def regions():
     return {k[0].name(): (v.replays, v.fallbacks) for k, v in capture._CACHE.items() if isinstance(v, capture.Region)}
 
 
+def compiled():
+    """Whether each captured region's replays ran compiled, by the decomposition's name."""
+    return {k[0].name(): v.compiled for k, v in capture._CACHE.items() if isinstance(v, capture.Region)}
+
+
+BOTH = pytest.mark.parametrize("compile_mode", ["1", "auto"], ids=["compiled", "python"])
+
+
 def log_bytes(tmp_path, name):
     return [(tmp_path / f"{name}-{s}.vtlog").read_bytes() for s in range(STEPS)]
 
 
-def test_the_trainer_writes_the_eager_log_and_weights(tmp_path, monkeypatch):
+@BOTH
+def test_the_trainer_writes_the_eager_log_and_weights(tmp_path, monkeypatch, compile_mode):
     eager, eager_stats = train(tmp_path, "eager", "0", monkeypatch)
-    captured, captured_stats = train(tmp_path, "captured", "1", monkeypatch)
+    assert not capture._CACHE  # VERITRAIN_COMPILE=0: the eager engine, nothing captured
+    captured, captured_stats = train(tmp_path, "captured", compile_mode, monkeypatch)
+    assert set(compiled().values()) == {compile_mode == "1"}
     replayed = regions()
     # every decomposition was captured and replayed (so the comparison below is not eager against eager)
     assert {"aten::native_batch_norm", "aten::native_batch_norm_backward", "aten::native_layer_norm",
@@ -87,32 +102,41 @@ def test_the_trainer_writes_the_eager_log_and_weights(tmp_path, monkeypatch):
     assert [s.as_dict() for s in captured_stats] == [s.as_dict() for s in eager_stats]
 
 
-def test_a_small_region_is_captured_once_its_signature_is_hot(tmp_path, monkeypatch):
-    """Below the size threshold (every region here is) a signature runs step by step for its first
-    VERITRAIN_CAPTURE_HOT_CALLS - 1 calls, is recorded at that call and replayed from the next: the eager
-    engine's weights, log and statistics throughout. Each decomposition is called once a step here."""
+def test_a_small_region_replays_as_python_and_is_compiled_once_its_signature_is_hot(tmp_path, monkeypatch):
+    """Below the size threshold (every region here is) a signature is recorded at its first call and replayed
+    from the next by its function run as Python, with nothing to compile; once it has been called
+    VERITRAIN_CAPTURE_HOT_CALLS times it replays compiled in the trainer (an auditor's, without scales or
+    tests, runs as fast as Python). The eager engine's weights, log and statistics throughout. Each
+    decomposition is called once a step here."""
     eager, eager_stats = train(tmp_path, "eager", "0", monkeypatch)
-    assert train(tmp_path, "default", "auto", monkeypatch)[0] == eager
-    assert not capture._CACHE  # 3 calls of each: far from the default's 5000
-    monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "3")
-    assert train(tmp_path, "late", "auto", monkeypatch)[0] == eager
-    assert regions() and all(r + f == 0 for r, f in regions().values()), regions()  # recorded in step 3
+    default, default_stats = train(tmp_path, "default", "auto", monkeypatch)
+    assert regions() and all(r == STEPS - 1 and f == 0 for r, f in regions().values()), regions()
+    assert not any(compiled().values())  # 3 calls of each: far from the default's 5000
+    assert default == eager
+    assert log_bytes(tmp_path, "default") == log_bytes(tmp_path, "eager")
+    assert [s.as_dict() for s in default_stats] == [s.as_dict() for s in eager_stats]
     monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "2")
     hot, hot_stats = train(tmp_path, "hot", "auto", monkeypatch)
-    assert sum(r for r, _ in regions().values()) >= 5, regions()  # replayed in step 3
+    assert all(compiled().values()) and all(r == STEPS - 1 for r, _ in regions().values()), regions()
     assert hot == eager
     assert log_bytes(tmp_path, "hot") == log_bytes(tmp_path, "eager")
     assert [s.as_dict() for s in hot_stats] == [s.as_dict() for s in eager_stats]
-    monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "0")  # never
-    train(tmp_path, "never", "auto", monkeypatch)
-    assert not capture._CACHE
+    # an auditor's small regions hold no scale or test: as fast as Python, so never compiled
+    audited, audit_stats = train(tmp_path, "x", "auto", monkeypatch, replay_of="hot")
+    assert regions() and all(r == STEPS - 1 for r, _ in regions().values()) and not any(compiled().values())
+    assert audited == eager and not any(s.suspicious_count for s in audit_stats)
+    monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "0")  # never compiled
+    assert train(tmp_path, "never", "auto", monkeypatch)[0] == eager
+    assert regions() and not any(compiled().values())
 
 
-def test_the_auditor_replays_an_eager_trainer_with_capture(tmp_path, monkeypatch):
+@BOTH
+def test_the_auditor_replays_an_eager_trainer_with_capture(tmp_path, monkeypatch, compile_mode):
     trained, _ = train(tmp_path, "run", "0", monkeypatch)
     eager, eager_stats = train(tmp_path, "x", "0", monkeypatch, replay_of="run")
-    audited, audit_stats = train(tmp_path, "x", "1", monkeypatch, replay_of="run")
+    audited, audit_stats = train(tmp_path, "x", compile_mode, monkeypatch, replay_of="run")
     assert all(r > 0 for r, _ in regions().values()) and regions()
+    assert set(compiled().values()) == {compile_mode == "1"}
     assert audited == trained == eager
     assert [s.as_dict() for s in audit_stats] == [s.as_dict() for s in eager_stats]
     assert not any(s.suspicious_count for s in audit_stats)
@@ -129,7 +153,7 @@ def test_the_auditor_matches_a_regions_honest_records_as_one_byte_string(tmp_pat
     skip = StepLogReader.skip_quiet
     monkeypatch.setattr(StepLogReader, "skip_quiet", lambda self, run: matched.append(skip(self, run)) or matched[-1])
     if compiled_call == "fails":
-        def fail(self, tensors):
+        def fail(self, tensors, compiled):
             raise RuntimeError("a compiled call that fails after its records were read")
         monkeypatch.setattr(capture.Region, "run", fail)
     with warnings.catch_warnings():
@@ -142,15 +166,18 @@ def test_the_auditor_matches_a_regions_honest_records_as_one_byte_string(tmp_pat
         assert regions() and all(r == 0 for r, _ in regions().values())
 
 
-def test_a_candidate_inside_a_region_runs_it_step_by_step(tmp_path, monkeypatch):
-    """Thresholds so wide that every sum and rsqrt is a candidate: the trainer's compiled pass finds them, so each
-    region with a sum falls back, and the eager engine logs them (the same log as without capture)."""
+@BOTH
+def test_a_candidate_inside_a_region_runs_it_step_by_step(tmp_path, monkeypatch, compile_mode):
+    """Thresholds so wide that every sum and rsqrt is a candidate: the trainer's region function (compiled or
+    run as Python) finds them, so each region with a sum falls back, and the eager engine logs them (the same
+    log as without capture)."""
     wide = EngineConfig(thresholds={"accumulate": 2.0**40, "elementwise": 2.0**40})
     eager, _ = train(tmp_path, "eager", "0", monkeypatch, config=wide)
     # a recorded call with entries is not captured (its replays would fall back): capture them anyway
     monkeypatch.setattr(capture, "_entries", lambda stats: 0)
-    captured, stats = train(tmp_path, "captured", "1", monkeypatch, config=wide)
+    captured, stats = train(tmp_path, "captured", compile_mode, monkeypatch, config=wide)
     fell_back = regions()
+    assert set(compiled().values()) == {compile_mode == "1"}
     assert captured == eager
     assert log_bytes(tmp_path, "captured") == log_bytes(tmp_path, "eager")
     assert fell_back["aten::native_batch_norm"][1] > 0 and fell_back["aten::native_layer_norm"][1] > 0, fell_back
@@ -168,8 +195,9 @@ def _forge(tmp_path, name, step, op_name, edit):
     write_records(path, step, bits, records)
 
 
+@BOTH
 @pytest.mark.parametrize("forgery", ["direction entry", "scalar entry"])
-def test_a_forged_entry_inside_a_region_is_checked_as_without_capture(tmp_path, monkeypatch, forgery):
+def test_a_forged_entry_inside_a_region_is_checked_as_without_capture(tmp_path, monkeypatch, forgery, compile_mode):
     """A dishonest log with an entry for an op inside a captured region (a BatchNorm mean far from any
     midpoint; a scalar entry for eps that rounds it the other way): the auditor with capture runs the region
     step by step and names the same suspicious entries as the eager auditor."""
@@ -185,7 +213,7 @@ def test_a_forged_entry_inside_a_region_is_checked_as_without_capture(tmp_path, 
     for s in range(1, STEPS):
         _forge(tmp_path, "run", s, op, edit)
     eager, eager_stats = train(tmp_path, "x", "0", monkeypatch, replay_of="run")
-    audited, audit_stats = train(tmp_path, "x", "1", monkeypatch, replay_of="run")
+    audited, audit_stats = train(tmp_path, "x", compile_mode, monkeypatch, replay_of="run")
     # the regions with a forged record ran step by step, the others replayed
     replays = [(v.replays, v.fallbacks) for v in capture._CACHE.values() if isinstance(v, capture.Region)]
     assert any(r > 0 for r, _ in replays) and any(f > 0 for _, f in replays), replays

@@ -1,6 +1,6 @@
 """Captured composites: a decomposed operator recorded once as the engine runs it, then replayed as one
-compiled function while its signature (the shapes, strides and dtypes of its tensors, its other arguments)
-stays the same.
+function while its signature (the shapes, strides and dtypes of its tensors, its other arguments) stays the
+same.
 
 Why: decompositions.py computes BatchNorm, LayerNorm and the softmaxes as their steps, each step rounded,
 so that their full-size steps are exact and never logged. That is about twenty engine ops per BatchNorm
@@ -11,18 +11,22 @@ How: the first call with a signature runs under the engine as before and is reco
 handled, which earlier tensors fed it, and the log record it wrote (name, scalar entries, output shapes).
 Each op is then lowered to what the engine computes for it (``LOWERINGS``): a view or copy as itself, an
 exact op as its float32 kernel (at b = 32 the same bits as float64 rounded, ROUNDING.md), an approximate
-op in float64 with its error scale, rounded to the grid, with the near-midpoint test. The whole sequence
-is one function given to ``torch.compile``. Later calls with that signature run it and write the same
-records, in the same order, as the eager ops would.
+op in float64 with its error scale, rounded to the grid, with the near-midpoint test (the auditor's
+function has no scale or test: it does not scan). The whole sequence is one generated function. Later calls
+with that signature run it and write the same records, in the same order, as the eager ops would: compiled
+by ``torch.compile`` where the region is large (``enabled_for``) or, in the trainer, hot (``_hot``);
+otherwise as Python, its ops eager aten calls without the engine's per-op work around each, which costs
+nothing to compile and does most of what compiling gains on small regions (docs/SPEED.md). Either is an
+evaluation of each approximate op in float64, as the eager engine's is.
 
 It replays only where the eager engine would log nothing in the region; otherwise the decomposition runs
 step by step under the engine, exactly as without capture (``fallback``):
 
-* the trainer's compiled pass finds a candidate (a result near a rounding midpoint) in any of the region's
-  approximate ops: the eager engine classifies and logs it. (A compiled float64 result is another correct
-  evaluation of the op, as for the fused kernels: where it finds no candidate, no machine within the error
-  model rounds any result differently, so no entry is needed; fused.py. That holds for the CPU's compiled
-  code; on CUDA it did not, and capture runs on CPUs only: hardware.compiled_path.)
+* the trainer's function finds a candidate (a result near a rounding midpoint) in any of the region's
+  approximate ops: the eager engine classifies and logs it. (Its float64 result, compiled or eager, is another
+  correct evaluation of the op, as for the fused kernels: where it finds no candidate, no machine within the
+  error model rounds any result differently, so no entry is needed; fused.py. That holds for the CPU's
+  compiled code; on CUDA it did not, and capture runs on CPUs only: hardware.compiled_path, ``replays_on``.)
 * the auditor's log has an entry, a scalar entry other than the one an honest trainer writes, or a record
   that differs from the template for any of the region's ops: the eager engine applies and checks them
   (and names any problem, as it always does).
@@ -87,22 +91,34 @@ class Region:
         self.want_cand = want_cand
         self.source = "\n".join(lines)
         self._env = env
-        self._fn = None
+        self._python = self._fn = None
         self.replays = 0
         self.fallbacks = 0
         self.broken = False
 
-    def program(self):
-        if self._fn is None:
+    def program(self, compiled: bool):
+        """The region's function: compiled by torch.compile, or (``compiled`` False) its source run as Python,
+        each op an eager aten call in float64 (another correct evaluation of the approximate ops, as the
+        compiled one is; the exact ops' float32 kernels give the same bits either way)."""
+        if self._python is None:
             env = dict(self._env)
             define(self.source, f"<veritrain captured region {next(self._ids)}>", env)
-            self._fn = torch.compile(env["program"], dynamic=False, fullgraph=True)
+            self._python = env["program"]
+        if not compiled:
+            return self._python
+        if self._fn is None:
+            self._fn = torch.compile(self._python, dynamic=False, fullgraph=True)
         return self._fn
 
-    def run(self, tensors):
+    def run(self, tensors, compiled: bool = True):
         """(the call's results, the new values of the arguments it writes, the trainer's candidate flag)."""
         with torch.no_grad():
-            return self.program()(*tensors)
+            return self.program(compiled)(*tensors)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether its function has been compiled (a region replays as Python until it is large or hot)."""
+        return self._fn is not None
 
     @property
     def worn_out(self) -> bool:
@@ -124,9 +140,10 @@ def applies(mode) -> bool:
 
 
 def enabled_for(numel: int, device) -> bool:
-    """``VERITRAIN_COMPILE`` as for the fused kernels (1 always, 0 never); by default, regions whose largest
-    tensor has at least ``VERITRAIN_CAPTURE_MIN_NUMEL`` elements (65536, as the fused kernels), and smaller
-    ones once their signature is hot (``_hot``). CPU only (hardware.compiled_path)."""
+    """Whether a region replays compiled: ``VERITRAIN_COMPILE`` as for the fused kernels (1 always, 0 never);
+    by default, regions whose largest tensor has at least ``VERITRAIN_CAPTURE_MIN_NUMEL`` elements (65536, as
+    the fused kernels), and a trainer's smaller ones once their signature is hot (``_hot``). CPU only
+    (hardware.compiled_path)."""
     return compiled_path(numel, device, "VERITRAIN_CAPTURE_MIN_NUMEL", 1 << 16)
 
 
@@ -136,10 +153,11 @@ _CALLS: dict = {}  # signature of a region below the size threshold -> its calls
 
 def _hot(key) -> bool:
     """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (5000; 0
-    never). Compiling the default ResNet's small regions cost its trainer 12.7 s with a cold compile cache
-    and 1.2 s with a warm one, and saved 6-8 ms a step in whole training processes (bench/RESULTS.md,
-    session 21): a cold compile paid for itself after about 2000 steps, a warm one after about 200. Short
-    runs (and the test suite) never pay for a compile; long runs get most of the gain."""
+    never), after which the trainer compiles it. Compiling the default ResNet's small regions cost its
+    trainer 12.7 s with a cold compile cache and 1.2 s with a warm one (bench/RESULTS.md, session 21); against
+    the same regions run as Python it saved 9 ms of an 82 ms step (docs/SPEED.md): a cold compile pays for
+    itself after about 1400 steps, a warm one after about 130. Short runs (and the test suite) never pay for
+    a compile; long runs get the gain."""
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     hot = int(hardware.setting("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))
     return 0 < hot <= n
@@ -157,16 +175,24 @@ def run(mode, func, args, kwargs):
         return fallback(mode, func, args, kwargs)
     device = devices.pop()
     key = _signature(mode, func, leaves, spec, tensors)
-    if not enabled_for(max((t.numel() for t in tensors), default=0), device):
-        # small (or compiled paths off): counted; the compiler is checked only once the signature is hot
-        if key is None or not _hot(key) or not enabled_for(1 << 62, device):
-            return fallback(mode, func, args, kwargs)
-    region = _CACHE.get(key, _EAGER) if key is not None else _EAGER
-    if key is not None and (key not in _CACHE or isinstance(region, int)):
+    if key is None or not replays_on(device):
+        return fallback(mode, func, args, kwargs)
+    # large, or a trainer's and hot: the compiled function; otherwise its source run as Python (nothing to
+    # compile). An auditor's small regions run as fast as Python as compiled (they hold no scale or test)
+    compiled = enabled_for(max((t.numel() for t in tensors), default=0), device) \
+        or (mode.writer is not None and _hot(key) and enabled_for(1 << 62, device))
+    region = _CACHE.get(key, _EAGER)
+    if key not in _CACHE or isinstance(region, int):
         return _record(mode, func, args, kwargs, key, tensors)
     if region is _EAGER or region.worn_out:
         return fallback(mode, func, args, kwargs)
-    return _replay(mode, func, args, kwargs, region, tensors)
+    return _replay(mode, func, args, kwargs, region, tensors, compiled)
+
+
+def replays_on(device) -> bool:
+    """Whether regions are captured and replayed on ``device`` at all: on a CPU (as every compiled path,
+    hardware.compiled_path) unless ``VERITRAIN_COMPILE`` is 0."""
+    return device.type == "cpu" and hardware.setting("VERITRAIN_COMPILE", "auto") != "0"
 
 
 def fallback(mode, func, args, kwargs):
@@ -342,7 +368,7 @@ def _lower(mode, rec: Recorder, out) -> Region:
                 if len(outs) != 1:
                     raise Uncapturable(f"{func}: several outputs")
                 c = float(mode.config.thresholds[rule.op_class])
-                lines += _lower_approx(func, rule, rounded, spec, names, env, j, c)
+                lines += _lower_approx(func, rule, rounded, spec, names, env, j, want)
                 lines.append(f"    {results[0]} = ROUND(y{j}, {round_args})")
                 if want:
                     lines.append(f"    c{j} = FLAG(y{j}, s{j}, {c!r})")
@@ -377,10 +403,11 @@ def _lower(mode, rec: Recorder, out) -> Region:
                   [k for k, _ in mutations], want)
 
 
-def _lower_approx(func, rule, leaves, spec, names, env, j, c):
-    """Source lines computing ``y{j}`` (the float64 result) and ``s{j}`` (its error scale), as the eager engine
-    defines them (rules.py): sums and means as fused.FusedSums computes them, elementwise ops by their
-    shared scale function."""
+def _lower_approx(func, rule, leaves, spec, names, env, j, scaled: bool):
+    """Source lines computing ``y{j}`` (the float64 result) and, where ``scaled`` (the trainer's near-midpoint
+    test needs it; the auditor's replay does not), ``s{j}`` (its error scale), as the eager engine defines them
+    (rules.py): sums and means as fused.FusedSums computes them, elementwise ops by their shared scale
+    function."""
     from .engine import _named
 
     named = _named(func, *_unflatten(leaves, spec))
@@ -394,12 +421,14 @@ def _lower_approx(func, rule, leaves, spec, names, env, j, c):
         n = rules._count(x, dims)
         mean = func is aten.mean.dim
         out = [f"    x{j} = {xn}.to(torch.float64)",
-               f"    y{j} = x{j}.sum({dims!r}, keepdim={keep})",
-               f"    a{j} = x{j}.abs()",
-               f"    t{j} = a{j}.sum({dims!r}, keepdim={keep})",
-               f"    s{j} = {rules._sqrt(n)!r} * t{j}" + (f" / {float(max(n, 1))!r}" if mean else "")]
+               f"    y{j} = x{j}.sum({dims!r}, keepdim={keep})"]
         if mean:
             out.append(f"    y{j} = y{j} / {float(n)!r}")
+        if not scaled:
+            return out
+        out += [f"    a{j} = x{j}.abs()",
+                f"    t{j} = a{j}.sum({dims!r}, keepdim={keep})",
+                f"    s{j} = {rules._sqrt(n)!r} * t{j}" + (f" / {float(max(n, 1))!r}" if mean else "")]
         if not mean or n & (n - 1) == 0:  # the exactness certificate (rules._reduction_sum, fused.FusedSums)
             out += [f"    m{j} = torch.where(a{j} == 0, INF, a{j}).amin({dims!r}, keepdim={keep})",
                     f"    e{j} = ((m{j}.view(torch.int64) >> 52) & 2047) - 1023",
@@ -420,8 +449,10 @@ def _lower_approx(func, rule, leaves, spec, names, env, j, c):
         else:
             kw[a.name] = v
     env[f"KW{j}"] = kw
-    return [f"    y{j} = {_render(func, leaves, spec, names, env, j, upcast=True)}",
-            f"    s{j} = SCALE{j}(y{j}, ({', '.join(tensor_args)}{',' if tensor_args else ''}), KW{j})"]
+    out = [f"    y{j} = {_render(func, leaves, spec, names, env, j, upcast=True)}"]
+    if scaled:
+        out.append(f"    s{j} = SCALE{j}(y{j}, ({', '.join(tensor_args)}{',' if tensor_args else ''}), KW{j})")
+    return out
 
 
 def _render(func, leaves, spec, names, env, j, upcast):
@@ -463,7 +494,7 @@ def _unflatten(leaves, spec):
 # --- replay ---------------------------------------------------------------------------------------------
 
 
-def _replay(mode, func, args, kwargs, region: Region, tensors):
+def _replay(mode, func, args, kwargs, region: Region, tensors, compiled: bool):
     reader, writer = mode.reader, mode.writer
     read = []
     if reader is not None:
@@ -481,7 +512,7 @@ def _replay(mode, func, args, kwargs, region: Region, tensors):
                     region.fallbacks += 1
                     return fallback(mode, func, args, kwargs)
     try:
-        results, new_values, flag = region.run(tensors)
+        results, new_values, flag = region.run(tensors, compiled)
     except Exception as exc:  # compile or run failure: eager from now on, same results
         region.broken = True
         FusedKernels.warn_once(func, exc)

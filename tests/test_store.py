@@ -161,3 +161,71 @@ def test_inspect_json(pristine, tmp_path):
     a = json.loads(cli("inspect", out, "--json", check=0).stdout)
     assert a["kind"] == "audit" and a["intervals_matching"] == 3 and a["suspicious"] == 0
     assert a["corrections_total"] >= 0
+
+
+@pytest.mark.parametrize("how", ["task", "micro-batches", "own loop"])
+def test_an_intervals_files_are_synced_together_before_its_commit(tmp_path, monkeypatch, how):
+    """A step's log and data record are written without an fsync each (a temporary name and a rename) and
+    made durable together (store.sync_files) before the manifest commits to their interval: when the manifest
+    names an interval, every log and record of its steps has been synced, and no fsync touched them before."""
+    import torch
+
+    from veritrain import store
+
+    out = str(tmp_path / "run")
+    synced, problems, commits = set(), [], []
+    real_fsync, real_sync_files, real_save = os.fsync, store.sync_files, store.save_manifest
+    inside = []
+
+    def per_step(p):  # the initial state's log is committed with checkpoint 0, when written
+        return any(f"{os.sep}{d}{os.sep}" in p for d in ("logs", "records")) and "init.vtlog" not in p
+
+    def fsync(fd):
+        p = os.readlink(f"/proc/self/fd/{fd}")
+        if per_step(p):
+            if not inside:
+                problems.append(f"an fsync of {p} as it was written")
+            synced.add(p)
+        real_fsync(fd)
+
+    def sync_files(paths):
+        inside.append(1)
+        try:
+            real_sync_files(paths)
+        finally:
+            inside.pop()
+
+    def save_manifest(run_dir, m):
+        done = m.get("steps_completed", 0)
+        names = [log_name(s) for s in range(done)] + [record_name(s) for s in range(done)]
+        names += [store.micro_log_name(s, g) for s in range(done) for g in range(2)] if how == "micro-batches" else []
+        for name in names:
+            p = os.path.realpath(os.path.join(run_dir, name))
+            if p not in synced:
+                problems.append(f"{name} not synced when the manifest committed step {done}")
+        commits.append(done)
+        real_save(run_dir, m)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(store, "sync_files", sync_files)
+    monkeypatch.setattr(store, "save_manifest", save_manifest)
+    if how == "own loop":
+        from veritrain.loop import Run, init
+
+        with init(seed=0) as built:
+            model = torch.nn.Linear(4, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = Run(out, model, opt, checkpoint_every=EVERY, quiet=True, init=built)
+        for step, x in run.steps(lambda step: torch.randn(3, 4, generator=torch.Generator().manual_seed(step)), STEPS):
+            with run.step(x) as s:
+                loss = model(x).square().mean()
+                loss.backward(); opt.step(); opt.zero_grad()
+                s.loss = loss
+    else:
+        train(TrainOptions(task="digits-cnn", out=out, steps=STEPS, checkpoint_every=EVERY, progress=False,
+                           micro_batches=2 if how == "micro-batches" else 1))
+    assert not problems, problems[:5]
+    assert [c for c in commits if c] and max(commits) == STEPS
+    r = verify(out)
+    assert r["ok"], r["problems"]
+

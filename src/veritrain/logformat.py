@@ -253,10 +253,11 @@ def _compressors() -> list:
 
 
 class StepLogWriter:
-    """Streams one step's records into ``path`` (atomically: temporary name, fsync, rename)."""
+    """Streams one step's records into ``path`` (atomically: temporary name, fsync, rename). With ``pending``
+    (a list), no fsync: the path is appended to it at ``close``, for store.sync_files before the run commits."""
 
-    def __init__(self, path: str, step: int, bits: int):
-        self.path = path
+    def __init__(self, path: str, step: int, bits: int, pending: list | None = None):
+        self.path, self.pending = path, pending
         self.tmp = f"{path}.tmp-{os.getpid()}"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(self.tmp, "wb")
@@ -324,11 +325,15 @@ class StepLogWriter:
         free = _compressors()
         if len(free) < 4:  # its frame ended: the next log of this thread starts a new one (a few kept, not all)
             free.append(self._compressor)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        if self.pending is None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self.tmp, self.path)
-        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        if self.pending is None:
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        else:
+            self.pending.append(self.path)
         with open(self.path, "rb") as f:
             data = f.read()
         return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

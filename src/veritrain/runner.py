@@ -367,20 +367,24 @@ class RunWriter:
         self.every, self.steps = m["checkpoint_every"], m["steps"]
         # a resumed run restarts at an interval boundary: its interval's earlier records are on disk
         self.record_hashes = [file_sha256(self.path(record_name(s))) for s in range((start // self.every) * self.every, start)]
+        self.unsynced = []  # the interval's logs and records, synced together before its commit (store.sync_files)
 
     def path(self, name):
         return os.path.join(self.out, name)
 
     def log_writer(self, step):
-        return StepLogWriter(self.path(log_name(step)), step, int(self.m["bits"])) if self.m["mode"] == "verified" else None
+        if self.m["mode"] != "verified":
+            return None
+        return StepLogWriter(self.path(log_name(step)), step, int(self.m["bits"]), pending=self.unsynced)
 
     def record(self, step, batch, indices, loss, log):
         """Write step's data record; after an interval's last step, its checkpoint, leaf and the manifest."""
         rec = store.record_bytes(step, batch_hash(batch), indices, loss, log["sha256"] if log else None)
-        store.write_bytes_atomic(self.path(record_name(step)), rec)
+        store.write_bytes_atomic(self.path(record_name(step)), rec, pending=self.unsynced)
         self.record_hashes.append(hashlib.sha256(rec).hexdigest())
         done, m = step + 1, self.m
         if done % self.every == 0 or done == self.steps:
+            store.sync_files(self.unsynced)
             digest = save_checkpoint(self.path(ckpt_name(done)), *self.state, done)
             m["checkpoints"].append({"step": done, "file": ckpt_name(done), "state_sha256": digest,
                                      "file_sha256": file_sha256(self.path(ckpt_name(done)))})
@@ -452,6 +456,7 @@ def _train(opts: TrainOptions, device, probe) -> dict:
     run_sha = store.run_sha256(m)
     every, steps = m["checkpoint_every"], m["steps"]
     record_hashes = []
+    unsynced = []  # the interval's logs and records, synced together before its commit (store.sync_files)
     first_of_interval = (start // every) * every
     if rank == 0:
         for s in range(first_of_interval, start):  # a resumed run restarts at an interval boundary
@@ -463,12 +468,12 @@ def _train(opts: TrainOptions, device, probe) -> dict:
         for step in range(start, steps):
             if num_micro > 1:
                 loss, rec, seconds = _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, probe,
-                                                          path if rank == 0 else None)
+                                                          path if rank == 0 else None, unsynced)
                 comm, first = comm + seconds, None
             else:
-                loss, rec, first = _train_step(task, engine, step, mode, grid, probe, path)
+                loss, rec, first = _train_step(task, engine, step, mode, grid, probe, path, unsynced)
             if rank == 0:
-                store.write_bytes_atomic(path(record_name(step)), rec)
+                store.write_bytes_atomic(path(record_name(step)), rec, pending=unsynced)
                 record_hashes.append(hashlib.sha256(rec).hexdigest())
             if step == start or step % every == 0:  # the interval's first step: called again at its checkpoint
                 first_call = {step: first}
@@ -478,6 +483,7 @@ def _train(opts: TrainOptions, device, probe) -> dict:
                     _check_batches(task, engine, list(first_call), m["task"], recorded=first_call)  # before commit
                 parallel.barrier()  # every rank has finished the interval: its state is the checkpoint's
                 if rank == 0:
+                    store.sync_files(unsynced)
                     digest = save_checkpoint(path(ckpt_name(done)), task.model, task.optimizer, task.scheduler, done)
                     m["checkpoints"].append({"step": done, "file": ckpt_name(done), "state_sha256": digest,
                                              "file_sha256": file_sha256(path(ckpt_name(done)))})
@@ -554,9 +560,10 @@ def _start_run(opts: TrainOptions, config: dict, engine: EngineConfig, device):
     return task, m
 
 
-def _train_step(task, engine, step, mode, grid, probe, path):
-    """One step of a one-process run: (loss, its data record, (batch hash, batch work) for _check_batches)."""
-    writer = StepLogWriter(path(log_name(step)), step, grid.bits) if mode == "verified" else None
+def _train_step(task, engine, step, mode, grid, probe, path, unsynced):
+    """One step of a one-process run: (loss, its data record, (batch hash, batch work) for _check_batches);
+    its log's path goes to ``unsynced``."""
+    writer = StepLogWriter(path(log_name(step)), step, grid.bits, pending=unsynced) if mode == "verified" else None
     with logged_step(engine, step, writer=writer, probe=probe) as st:
         batch = _prepare_batch(task.batch(step), mode, grid)
         work = _batch_work(st)
@@ -579,7 +586,8 @@ class _Scratch(parallel.PartLogs):
 
     def writer(self, part):
         name = f"update-{self.step}.vtlog" if part is None else f"micro-{self.step}-{part}.vtlog"
-        return StepLogWriter(os.path.join(self.dir, name), self.step, self.bits)
+        # read back and removed within the step, never part of a commit: no fsync (a list nobody syncs)
+        return StepLogWriter(os.path.join(self.dir, name), self.step, self.bits, pending=[])
 
     def remove(self):
         import shutil
@@ -587,18 +595,19 @@ class _Scratch(parallel.PartLogs):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, probe, path):
-    """One step of a data-parallel run on this process's share; ``path`` (rank 0) writes the step's logs.
-    Returns (loss, the step's data record, the seconds spent in its collectives)."""
+def _train_parallel_step(task, engine, step, num_micro, mode, grid, scratch, probe, path, unsynced):
+    """One step of a data-parallel run on this process's share; ``path`` (rank 0) writes the step's logs
+    (their paths to ``unsynced``). Returns (loss, the step's data record, the seconds spent in its
+    collectives)."""
     if scratch is not None:
         scratch.step, scratch.bits = step, grid.bits
     parts = parallel.run_step(task, engine, step, num_micro, mode, grid, scratch or parallel.PartLogs(), probe=probe)
     if path is not None:
         for g, mb in enumerate(parts.micro):
             if mb.get("log") is not None:
-                store.write_bytes_atomic(path(store.micro_log_name(step, g)), mb["log"])
+                store.write_bytes_atomic(path(store.micro_log_name(step, g)), mb["log"], pending=unsynced)
         if parts.update_log is not None:
-            store.write_bytes_atomic(path(log_name(step)), parts.update_log)
+            store.write_bytes_atomic(path(log_name(step)), parts.update_log, pending=unsynced)
     update_sha = hashlib.sha256(parts.update_log).hexdigest() if parts.update_log is not None else None
     rec = store.parallel_record_bytes(step, parts.micro, parts.loss, update_sha)
     return parts.loss, rec, parts.comm_seconds

@@ -73,21 +73,48 @@ def fsync_dir(d: str):
         os.close(fd)
 
 
-def write_bytes_atomic(path: str, data: bytes):
-    """Temporary name in the same folder, fsync, rename: readers see the old file or the new one."""
+def write_bytes_atomic(path: str, data: bytes, pending: list | None = None):
+    """Temporary name in the same folder, fsync, rename: readers see the old file or the new one. With
+    ``pending`` (a list), no fsync: the path is appended to it, for ``sync_files`` before a commit."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = os.path.join(d, f".tmp-{os.getpid()}-{os.path.basename(path)}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if pending is None:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    fsync_dir(d)
+    if pending is None:
+        fsync_dir(d)
+    else:
+        pending.append(path)
+
+
+def sync_files(paths: list):
+    """Make files written without fsync (``pending``) durable, then their folders' entries, and empty the list.
+
+    A run commits to its per-step files (logs, data records) only at each interval's end, when the manifest
+    names the interval's leaf; a crash before that loses the interval and a resumed run writes its files
+    again. So they are synced together before that commit rather than each when written: an fsync and a
+    folder fsync per file cost about 1.1 ms here, and a run writes two to four such files a step."""
+    dirs = []
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        d = os.path.dirname(os.path.abspath(p))
+        if d not in dirs:
+            dirs.append(d)
+    for d in dirs:
+        fsync_dir(d)
+    paths.clear()
 
 
 def write_json_atomic(path: str, obj):

@@ -229,3 +229,24 @@ def test_an_intervals_files_are_synced_together_before_its_commit(tmp_path, monk
     r = verify(out)
     assert r["ok"], r["problems"]
 
+
+def test_an_own_loop_built_without_veritrain_init_verifies(tmp_path):
+    """Its manifest commits to no initialisation log (init_log_sha256 null) and the run has none: verify
+    checks the files the manifest commits to, not one it says does not exist."""
+    import torch
+
+    from veritrain.loop import Run
+
+    out = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = Run(out, model, opt, checkpoint_every=EVERY, quiet=True)
+    for step, x in run.steps(lambda step: torch.randn(3, 4, generator=torch.Generator().manual_seed(step)), STEPS):
+        with run.step(x) as s:
+            loss = model(x).square().mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+            s.loss = loss
+    assert load_manifest(out)["init_log_sha256"] is None
+    r = verify(out)
+    assert r["ok"], r["problems"]

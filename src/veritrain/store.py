@@ -529,7 +529,7 @@ def verify(run_dir: str, root: str | None = None) -> dict:
         if actual != c["state_sha256"] or step != c["step"]:
             bad(name, "its state hash differs from the manifest's commitment")
     verified = m["mode"] == "verified"
-    if verified and "init_log_sha256" in m:
+    if verified and m.get("init_log_sha256") is not None:  # None: an own loop built without veritrain.init
         _verify_log(run_dir, INIT_LOG, m.get("init_log_sha256"), 0, m["bits"], bad,
                     "its SHA-256 differs from the manifest's init_log_sha256")
     record_sha = {}

@@ -183,7 +183,9 @@ def _step(task, mode, step, batch, path, cfg, profile=None, sync=None):
         if mode in ("fp32", "fp64"):
             task.run_step(batch)
         elif mode == "trainer":
-            with logged_step(cfg, step, writer=StepLogWriter(path, step, 32)):
+            # as a run writes a step's log: no fsync of its own (store.sync_files syncs an interval's files at
+            # its checkpoint, which these steps do not time, as they do not time checkpoints)
+            with logged_step(cfg, step, writer=StepLogWriter(path, step, 32, pending=[])):
                 task.run_step(batch)
         else:
             with logged_step(cfg, step, reader=StepLogReader(path, expect_step=step, expect_bits=32)):

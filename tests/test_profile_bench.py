@@ -88,3 +88,17 @@ def test_the_graph_bound_rounds_what_the_engine_rounds_and_scans_its_approximate
             assert t.dtype == torch.float64 and torch.equal(t, t.float().double())
         plain = step(*args)
         assert not torch.equal(plain[1], plain[1].float().double())  # so the rounding took place
+
+
+def test_the_regions_bench_times_every_captured_region_each_way(capsys):
+    """bench/bench_regions.py: every region of digits-cnn's steps, the trainer's and the auditor's, timed as
+    Python (NumPy test, torch test) and compiled; it exits with an error where the variants' results differ."""
+    import bench_regions
+
+    rows = bench_regions.measure("digits-cnn", {}, repeats=1, steps=2)
+    assert {r["role"] for r in rows} == {"trainer", "auditor"}
+    assert {r["first op"] for r in rows} >= {"aten.mean.dim", "aten.exp.default"}  # BatchNorm, log-softmax
+    assert all(set(r["us"]) == set(bench_regions.VARIANTS) and r["per_step"] >= 1 for r in rows)
+    assert {r["ran"] for r in rows} == {"python", "compiled"}  # digits-cnn's regions are below and above 65536
+    text = bench_regions.markdown({"digits": rows}, "cmd", "machine")
+    assert text.count("**per step**") == 2

@@ -267,6 +267,32 @@ def test_the_numpy_scan_of_small_results_is_the_torch_scan(b):
         assert torch.equal(rounding._candidates_eager(*args), rounding.candidate_mask(*args))
 
 
+def test_any_candidate_asks_candidate_mask():
+    """rounding.any_candidate, the test a captured region run as Python makes of each approximate op: whether
+    candidate_mask flags any element, in NumPy up to 2**18 values and in torch beyond, with a scale of
+    another shape broadcast (a scalar, a row)."""
+    from veritrain import rounding
+
+    grid = Grid(32)
+    gen = torch.Generator().manual_seed(7)
+    y = torch.randn(4000, generator=gen, dtype=torch.float64)
+    y32 = grid.round(y).double()
+    near = y32 + grid.spacing_at(y32) / 2 * (1 - 1e-12)  # a hair below a midpoint: a candidate at any scale
+    scale = y.abs() * 1e-3
+    args = (grid.low_mask, grid.half, grid.value_units)
+    seen = []
+    for values in (y, torch.cat([y, near[:1]]), y.repeat(70), torch.cat([y.repeat(70), near[:1]])):
+        s = values.abs() * 1e-3
+        want = bool(rounding.candidate_mask(values, s, 8.0, *args).any())
+        assert rounding.any_candidate(values, s, 8.0, grid) is want
+        seen.append(want)
+    assert seen == [False, True, False, True]  # each path answers both ways
+    assert rounding.any_candidate(near, scale, 8.0, grid)
+    assert not rounding.any_candidate(y32, torch.zeros(()), 8.0, grid)  # on the grid, scale 0 (broadcast)
+    assert rounding.any_candidate(near.view(40, 100), scale[:100], 8.0, grid)  # a row's scale
+    assert not rounding.any_candidate(y32.view(40, 100), 0.0, 8.0, grid)  # a Python number
+
+
 @pytest.mark.parametrize("b", [32, 27, 23])
 def test_the_scans_midpoint_distance_is_exact_at_the_threshold(b):
     """candidate_mask computes the distance to the midpoint in float64 (no int64 conversion: AVX2 has none);

@@ -44,6 +44,7 @@ capture runs; tests/test_capture.py holds it to the eager engine.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -55,7 +56,7 @@ from . import decompositions, hardware, rules
 from .fused import FusedKernels, _round_to_grid, define
 from .hardware import compiled_path
 from .logformat import OpRecord, OutputEntries, QuietRun
-from .rounding import kernel_flag
+from .rounding import any_candidate as _any_candidate, kernel_flag
 
 aten = torch.ops.aten
 MIN_TRIES = 4  # replays before a region's fallback share is judged
@@ -102,12 +103,16 @@ class Region:
         compiled one is; the exact ops' float32 kernels give the same bits either way)."""
         if self._python is None:
             env = dict(self._env)
+            env.update(env.pop("PYTHON"))
             define(self.source, f"<veritrain captured region {next(self._ids)}>", env)
             self._python = env["program"]
         if not compiled:
             return self._python
         if self._fn is None:
-            self._fn = torch.compile(self._python, dynamic=False, fullgraph=True)
+            env = dict(self._env)
+            del env["PYTHON"]
+            define(self.source, f"<veritrain captured region {next(self._ids)}>", env)
+            self._fn = torch.compile(env["program"], dynamic=False, fullgraph=True)
         return self._fn
 
     def run(self, tensors, compiled: bool = True):
@@ -124,6 +129,11 @@ class Region:
     def worn_out(self) -> bool:
         tries = self.replays + self.fallbacks
         return self.broken or tries >= MIN_TRIES and self.fallbacks > MAX_FALLBACK_SHARE * tries
+
+
+def _any_flag(flags):
+    """Whether any of the compiled function's flags (stability_flag's float32 1 / 0) marks a candidate."""
+    return torch.stack([f.any() for f in flags]).any()
 
 
 _EAGER = object()  # a signature that is not captured
@@ -307,7 +317,9 @@ def _lower(mode, rec: Recorder, out) -> Region:
 
     grid = mode.grid
     refs = dict(rec.refs)
-    env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": kernel_flag(grid), "INF": math.inf}
+    env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": kernel_flag(grid), "ANY": _any_flag, "INF": math.inf,
+           # run as Python: the eager engine's own bulk test, in NumPy (rounding.any_candidate), one bool an op
+           "PYTHON": {"FLAG": functools.partial(_any_candidate, grid=grid), "ANY": any}}
     lines = [f"def program({', '.join(f'i{k}' for k in range(len(rec.inputs)))}):"]
     templates, cands, mutations, written = [], [], [], set()
     want = mode.writer is not None
@@ -389,9 +401,7 @@ def _lower(mode, rec: Recorder, out) -> Region:
             raise Uncapturable("a result the region did not compute")
     got = [r for r in result_names if r is not None and not r.startswith("i")]
     muts = [r for _, r in mutations]
-    flag = "None"
-    if cands:
-        flag = f"torch.stack([{', '.join(f'{c}.any()' for c in cands)}]).any()"
+    flag = f"ANY([{', '.join(cands)}])" if cands else "None"
     lines.append(f"    return ({', '.join(got)}{',' if got else ''}), ({', '.join(muts)}{',' if muts else ''}), {flag}")
 
     if want:  # the templates must be what the eager engine wrote (entries aside)

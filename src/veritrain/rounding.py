@@ -332,6 +332,19 @@ def _near_numpy(y, scale, c: float, low_mask: int, half: int, value_units: int) 
 _NUMPY_MAX_NUMEL = 1 << 18
 
 
+def any_candidate(y, scale, c: float, grid: Grid) -> bool:
+    """Whether any element of float64 ``y`` is a candidate by the eager engine's bulk test (candidate_mask,
+    in NumPy up to 2**18 values as ``_candidates_eager``). A captured region run as Python asks only this of
+    each approximate op (capture.py): in NumPy it costs a third of stability_flag's torch ops on the small
+    results such regions have (8 to 32768 values, `bench/profile_engine.py` workloads)."""
+    c = float(c)
+    if not isinstance(scale, torch.Tensor) or scale.shape != y.shape:
+        scale = torch.as_tensor(scale, dtype=torch.float64, device=y.device).expand(y.shape)
+    if y.device.type == "cpu" and y.numel() <= _NUMPY_MAX_NUMEL and y.dtype == scale.dtype == torch.float64:
+        return bool(_near_numpy(y, scale, c, grid.low_mask, grid.half, grid.value_units).any())
+    return bool(candidate_mask(y.contiguous(), scale.contiguous(), c, grid.low_mask, grid.half, grid.value_units).any())
+
+
 _compiled = None
 
 

@@ -28,7 +28,8 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from profile_engine import _prepare_batch, _prepare_model, _step, build, place_task, workloads, write_section  # noqa: E402
+from profile_engine import (_prepare_batch, _prepare_model, _step, build, each_workload, place_task,  # noqa: E402
+                            write_section)
 from veritrain import capture  # noqa: E402
 from veritrain.engine import EngineConfig  # noqa: E402
 from veritrain.fused import define  # noqa: E402
@@ -139,14 +140,8 @@ def main(argv=None):
     from veritrain import hardware
 
     hardware.apply_process_settings()
-    known = workloads(args.shared)
-    results = {}
-    for name in args.workloads.split(","):
-        if name not in known:
-            ap.error(f"unknown workload {name!r}; known: {', '.join(known)}")
-        task_ref, config, description = known[name]
-        print(f"{name}: {description}", flush=True)
-        results[name] = measure(task_ref, config, args.repeats)
+    results, _ = each_workload(ap, args.workloads, args.shared,
+                               lambda ref, config, repeats, progress: measure(ref, config, repeats), args.repeats)
     command = "python bench/bench_regions.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     section = markdown(results, command.strip(), machine("cpu"))
     print(section)

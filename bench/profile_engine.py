@@ -6,18 +6,21 @@ the auditor, against plain float64 and float32 steps measured in the same proces
     python bench/profile_engine.py --workloads digits --steps 3 --no-write
     python bench/profile_engine.py --workloads gpt2-117m,resnet18 --steps 2 --section "full size"
     python bench/profile_engine.py --device cuda --workloads gpt2-117m --steps 2 --section "GPU"
+    python bench/profile_engine.py --workloads resnet,digits --steps 3 --per-op 8   # each op's time per step
 
 Each category's time is exclusive (a timer stack: time inside a nested category counts there, not in
 its parent). The engine's methods are wrapped for the instrumented runs only; the same steps also run
 without the wrappers, so the table gives the instrumentation's own cost (``instrumented / plain``). On a GPU
 (--device cuda) every timer boundary of the instrumented runs waits for the GPU, so a category holds its own
 kernels' time rather than the next wait's; that adds waits, which the instrumented / plain column shows. Writes
-the "Where the time goes" section of bench/RESULTS.md unless --no-write.
+the "Where the time goes" section of bench/RESULTS.md unless --no-write (with --per-op, the "Per op" section:
+which ops the trainer's and the auditor's time goes to, against the same ops in a plain float64 step).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import shlex
@@ -37,6 +40,7 @@ from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
 from veritrain.rounding import Grid  # noqa: E402
 from veritrain.runner import _prepare_batch, _prepare_model, place_task  # noqa: E402
 from veritrain.task import build  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 CATEGORIES = {
     "kernel": "op kernels (float64; float32 where exact; views)",
@@ -247,6 +251,88 @@ def _measure(task_ref, config, steps, progress, device):
     return out
 
 
+class _OpTimer(TorchDispatchMode):
+    """Times each aten op of a plain step (the same names the engine's top-level ops have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds[str(func)] += time.perf_counter() - t0
+        return out
+
+
+def per_op(task_ref: str, config: dict, steps: int) -> dict:
+    """Seconds per step and calls per step of each op, by its aten name: the engine's top-level ops in the
+    trainer's and the auditor's steps (each op's whole handling: kernels, scales, rounding, scan, log, Python;
+    ops it runs inside a decomposition count in their caller), and the same ops in a plain float64 step (its
+    kernels and the timer's own cost). Medians over ``steps`` counted steps after one warm-up step."""
+    grid, cfg = Grid(32), EngineConfig()
+    tasks = {}
+    for run in ("fp64", "trainer", "auditor"):
+        t = build(task_ref, config)
+        _prepare_model(t, "fp64" if run == "fp64" else "fp32", grid)
+        tasks[run] = place_task(t, torch.device("cpu"))
+    timed = {run: [] for run in tasks}
+    calls = {run: collections.Counter() for run in tasks}
+    dispatch, depth, current = engine.VerifiedMode._dispatch, [0], [None]
+
+    def top_level(self, func, args, kwargs):
+        depth[0] += 1
+        t0 = time.perf_counter()
+        try:
+            return dispatch(self, func, args, kwargs)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0 and current[0] is not None:
+                current[0][str(func)] += time.perf_counter() - t0
+
+    engine.VerifiedMode._dispatch = top_level
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            for step in range(steps + 1):
+                for run in tasks:
+                    seconds = collections.Counter()
+                    batch = _prepare_batch(tasks[run].batch(step), "fp64" if run == "fp64" else "fp32", grid)
+                    if run == "fp64":
+                        with _OpTimer() as timer:
+                            _step(tasks[run], run, step, batch, None, cfg)
+                        seconds = timer.seconds
+                    else:
+                        current[0] = seconds
+                        _step(tasks[run], run, step, batch, os.path.join(d, f"{step}.vtlog"), cfg)
+                        current[0] = None
+                    if step:
+                        timed[run].append(seconds)
+    finally:
+        engine.VerifiedMode._dispatch = dispatch
+    ops = set().union(*(s.keys() for runs in timed.values() for s in runs))
+    return {run: {op: statistics.median(s.get(op, 0.0) for s in runs) for op in ops} for run, runs in timed.items()}
+
+
+def per_op_markdown(results: dict, command: str, machine: str, top: int) -> str:
+    lines = ["## Per op (issue 12: profile)", "", f"Command: `{command}`", "", f"Machine: {machine}", "",
+             "Written by `bench/profile_engine.py --per-op`: milliseconds per step in each op, medians over the "
+             "counted steps: the engine's top-level ops in the trainer's and the auditor's steps (all of an "
+             "op's handling: its kernels, error scales, rounding, scan, log and the dispatch mode's Python; the "
+             "ops of a decomposition it runs count in their caller) and the same ops in a plain float64 step, "
+             "timed by a dispatch mode of its own (its kernels and that mode's small cost). The ops that take "
+             "most of the trainer's step, by its time.", ""]
+    head = ["workload", "op", "plain fp64", "trainer", "auditor"]
+    lines += ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for name, r in results.items():
+        ops = sorted(r["trainer"], key=lambda op: -r["trainer"][op])[:top]
+        for op in ops:
+            lines.append(f"| {name} | {op} | " + " | ".join(f"{1e3 * r[run][op]:.2f}" for run in
+                                                          ("fp64", "trainer", "auditor")) + " |")
+        lines.append(f"| {name} | **every op** | " + " | ".join(f"**{1e3 * sum(r[run].values()):.2f}**" for run in
+                                                                ("fp64", "trainer", "auditor")) + " |")
+    return "\n".join(lines + [""])
+
+
 def markdown(results: dict, descriptions: dict, command: str, machine: str, section: str = "") -> str:
     lines = [f"## Where the time goes (issue 12: profile{', ' + section if section else ''})", "",
              f"Command: `{command}`", "", f"Machine: {machine}", "",
@@ -308,14 +394,24 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]", help="where every run goes (default cpu)")
     ap.add_argument("--section", default="", help="a name for the RESULTS.md section (runs of other workloads "
                     "keep their own section), e.g. --workloads gpt2-117m,resnet18 --section 'full size'")
+    ap.add_argument("--per-op", type=int, default=0, metavar="N", help="instead, each op's time per step in the "
+                    "trainer, the auditor and a plain float64 step: the N ops that take most of the trainer's (CPU)")
     args = ap.parse_args(argv)
     from bench_engine import machine
     from veritrain import hardware
 
     hardware.apply_process_settings()
+    command = "python bench/profile_engine.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.per_op:
+        results, _ = each_workload(ap, args.workloads, args.shared, lambda ref, cfg, steps, progress: per_op(ref, cfg, steps),
+                                   args.steps)
+        section = per_op_markdown(results, command.strip(), machine("cpu"), args.per_op)
+        print(section)
+        if not args.no_write:
+            write_section(os.path.join(HERE, "RESULTS.md"), section)
+        return
     results, descriptions = each_workload(ap, args.workloads, args.shared,
                                           lambda *a, **k: measure(*a, **k, device=args.device), args.steps)
-    command = "python bench/profile_engine.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     section = markdown(results, descriptions, command.strip(), machine(args.device), args.section)
     print(section)
     if not args.no_write:

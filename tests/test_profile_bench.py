@@ -102,3 +102,14 @@ def test_the_regions_bench_times_every_captured_region_each_way(capsys):
     assert {r["ran"] for r in rows} == {"python", "compiled"}  # digits-cnn's regions are below and above 65536
     text = bench_regions.markdown({"digits": rows}, "cmd", "machine")
     assert text.count("**per step**") == 2
+
+
+def test_the_per_op_profile_times_the_same_ops_in_every_run():
+    """profile_engine --per-op: each op's time per step in the trainer, the auditor and a plain float64 step,
+    by the same aten names (the engine's top-level ops and a plain step's ops)."""
+    r = profile_engine.per_op("digits-cnn", {}, 1)
+    assert set(r) == {"fp64", "trainer", "auditor"}
+    for run in r.values():
+        assert run["aten.convolution.default"] > 0 and run["aten.convolution_backward.default"] > 0
+    text = profile_engine.per_op_markdown({"digits": r}, "cmd", "machine", 3)
+    assert text.count("| digits |") == 4 and "**every op**" in text

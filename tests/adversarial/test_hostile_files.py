@@ -150,6 +150,22 @@ def test_manifest_naming_a_file_outside_the_run_is_refused_unread(run, tmp_path)
         assert os.stat(outside).st_atime_ns == 10**9, "the auditor read a file outside the run"
 
 
+def test_a_task_run_committing_to_no_init_log_is_refused_by_the_audit(run):
+    """The trainer deletes its initialisation log and recommits with init_log_sha256 null, as an own loop built
+    without veritrain.init has: `verify` finds the files consistent with that manifest (it has no such log to
+    check), but the audit of a task run reads the log its initial state was built with and refuses the run."""
+    os.remove(run / store.INIT_LOG)
+    recommit(run)
+    assert store.load_manifest(str(run))["init_log_sha256"] is None
+    code, out, err, _ = hostile_cli("verify", run, "--json")
+    assert code == 0 and json.loads(out)["ok"], (out[-2000:], err[-2000:])
+    code, out, err, _ = hostile_cli("audit", run, "--json", "--quiet", "--variant", "combo")
+    assert code in (1, 2) and "Traceback" not in err, (code, out[-2000:], err[-2000:])
+    if code == 1:
+        assert not json.loads(out)["accepted"]
+    assert "init.vtlog" in out + err
+
+
 # --- (b) a log that is a symlink to /dev/zero ---------------------------------------------------
 
 

@@ -85,6 +85,12 @@ class Profile:
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.calls = dict.fromkeys(CATEGORIES, 0)
         self.stack: list[list] = []  # [category, started]
+        self.op = None  # --per-op: the engine's top-level op now running (None between ops)
+        self.by_op = collections.defaultdict(float)  # (op, category) -> seconds
+
+    def _add(self, cat, seconds):
+        self.seconds[cat] += seconds
+        self.by_op[(self.op, cat)] += seconds
 
     def enter(self, cat):
         if self.sync is not None:
@@ -92,7 +98,7 @@ class Profile:
         now = time.perf_counter()
         if self.stack:
             top = self.stack[-1]
-            self.seconds[top[0]] += now - top[1]
+            self._add(top[0], now - top[1])
         self.stack.append([cat, now])
         self.calls[cat] += 1
 
@@ -101,7 +107,7 @@ class Profile:
             self.sync()
         now = time.perf_counter()
         cat, started = self.stack.pop()
-        self.seconds[cat] += now - started
+        self._add(cat, now - started)
         if self.stack:
             self.stack[-1][1] = now
 
@@ -266,10 +272,11 @@ class _OpTimer(TorchDispatchMode):
 
 
 def per_op(task_ref: str, config: dict, steps: int) -> dict:
-    """Seconds per step and calls per step of each op, by its aten name: the engine's top-level ops in the
-    trainer's and the auditor's steps (each op's whole handling: kernels, scales, rounding, scan, log, Python;
-    ops it runs inside a decomposition count in their caller), and the same ops in a plain float64 step (its
-    kernels and the timer's own cost). Medians over ``steps`` counted steps after one warm-up step."""
+    """Each op's time per step by its aten name: in the trainer's and the auditor's steps the engine's top-level
+    ops, split into the profile's categories (an op's whole handling; the ops of a decomposition it runs count
+    in their caller; ``None`` is the time between ops: autograd, the optimizer's Python, the step's set-up),
+    and in a plain float64 step the same ops (its kernels and the timer's own cost). Medians over ``steps``
+    counted steps after one warm-up step: {"fp64": {op: s}, "trainer": {op: {category: s}}, "auditor": ...}."""
     grid, cfg = Grid(32), EngineConfig()
     tasks = {}
     for run in ("fp64", "trainer", "auditor"):
@@ -277,59 +284,75 @@ def per_op(task_ref: str, config: dict, steps: int) -> dict:
         _prepare_model(t, "fp64" if run == "fp64" else "fp32", grid)
         tasks[run] = place_task(t, torch.device("cpu"))
     timed = {run: [] for run in tasks}
-    calls = {run: collections.Counter() for run in tasks}
-    dispatch, depth, current = engine.VerifiedMode._dispatch, [0], [None]
+    dispatch, depth, profile = engine.VerifiedMode._dispatch, [0], [None]
 
     def top_level(self, func, args, kwargs):
+        p = profile[0]
         depth[0] += 1
-        t0 = time.perf_counter()
+        if depth[0] == 1 and p is not None:
+            p.enter("python")  # a boundary: the time before it is the previous op's
+            p.op = str(func)
         try:
             return dispatch(self, func, args, kwargs)
         finally:
             depth[0] -= 1
-            if depth[0] == 0 and current[0] is not None:
-                current[0][str(func)] += time.perf_counter() - t0
+            if depth[0] == 0 and p is not None:
+                p.leave()
+                p.op = None
 
     engine.VerifiedMode._dispatch = top_level
     try:
         with tempfile.TemporaryDirectory() as d:
             for step in range(steps + 1):
                 for run in tasks:
-                    seconds = collections.Counter()
                     batch = _prepare_batch(tasks[run].batch(step), "fp64" if run == "fp64" else "fp32", grid)
                     if run == "fp64":
                         with _OpTimer() as timer:
                             _step(tasks[run], run, step, batch, None, cfg)
-                        seconds = timer.seconds
+                        seconds = dict(timer.seconds)
                     else:
-                        current[0] = seconds
-                        _step(tasks[run], run, step, batch, os.path.join(d, f"{step}.vtlog"), cfg)
-                        current[0] = None
+                        profile[0] = Profile()
+                        _step(tasks[run], run, step, batch, os.path.join(d, f"{step}.vtlog"), cfg, profile[0])
+                        seconds = {}
+                        for (op, cat), t in profile[0].by_op.items():
+                            seconds.setdefault(op, dict.fromkeys(CATEGORIES, 0.0))[cat] += t
+                        profile[0] = None
                     if step:
                         timed[run].append(seconds)
     finally:
         engine.VerifiedMode._dispatch = dispatch
-    ops = set().union(*(s.keys() for runs in timed.values() for s in runs))
-    return {run: {op: statistics.median(s.get(op, 0.0) for s in runs) for op in ops} for run, runs in timed.items()}
+    out = {}
+    for run, runs in timed.items():
+        ops = set().union(*(s.keys() for s in runs))
+        if run == "fp64":
+            out[run] = {op: statistics.median(s.get(op, 0.0) for s in runs) for op in ops}
+        else:
+            out[run] = {op: {c: statistics.median(s.get(op, {}).get(c, 0.0) for s in runs) for c in CATEGORIES}
+                        for op in ops}
+    return out
 
 
 def per_op_markdown(results: dict, command: str, machine: str, top: int) -> str:
     lines = ["## Per op (issue 12: profile)", "", f"Command: `{command}`", "", f"Machine: {machine}", "",
-             "Written by `bench/profile_engine.py --per-op`: milliseconds per step in each op, medians over the "
-             "counted steps: the engine's top-level ops in the trainer's and the auditor's steps (all of an "
-             "op's handling: its kernels, error scales, rounding, scan, log and the dispatch mode's Python; the "
-             "ops of a decomposition it runs count in their caller) and the same ops in a plain float64 step, "
-             "timed by a dispatch mode of its own (its kernels and that mode's small cost). The ops that take "
-             "most of the trainer's step, by its time.", ""]
-    head = ["workload", "op", "plain fp64", "trainer", "auditor"]
+             "Written by `bench/profile_engine.py --per-op`: milliseconds per step, medians over the counted "
+             "steps, of the ops that take most of the trainer's step: in the trainer's and the auditor's "
+             "instrumented steps each top-level op of the engine (all of its handling; the ops of a "
+             "decomposition it runs count in their caller), split into the profile's categories, and the same "
+             "op in a plain float64 step (timed by a dispatch mode of its own: its kernels and that mode's "
+             "small cost). `(between ops)` is autograd, the optimizer's and the step's own Python.", ""]
+    head = ["workload", "run", "op", "plain fp64", "total", *CATEGORIES]
     lines += ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     for name, r in results.items():
-        ops = sorted(r["trainer"], key=lambda op: -r["trainer"][op])[:top]
-        for op in ops:
-            lines.append(f"| {name} | {op} | " + " | ".join(f"{1e3 * r[run][op]:.2f}" for run in
-                                                          ("fp64", "trainer", "auditor")) + " |")
-        lines.append(f"| {name} | **every op** | " + " | ".join(f"**{1e3 * sum(r[run].values()):.2f}**" for run in
-                                                                ("fp64", "trainer", "auditor")) + " |")
+        total = {run: {op: sum(cats.values()) for op, cats in r[run].items()} for run in ("trainer", "auditor")}
+        ops = sorted((op for op in total["trainer"] if op is not None), key=lambda op: -total["trainer"][op])[:top]
+        for run in ("trainer", "auditor"):
+            for op in ops + [None]:
+                cats = r[run].get(op, dict.fromkeys(CATEGORIES, 0.0))
+                plain = f"{1e3 * r['fp64'].get(op, 0.0):.2f}" if op is not None else ""
+                lines.append(f"| {name} | {run} | {op or '(between ops)'} | {plain} | {1e3 * sum(cats.values()):.2f} | "
+                             + " | ".join(f"{1e3 * cats[c]:.2f}" for c in CATEGORIES) + " |")
+            lines.append(f"| {name} | {run} | **every op** | **{1e3 * sum(r['fp64'].values()):.2f}** | "
+                         f"**{1e3 * sum(total[run].values()):.2f}** |" + " |" * len(CATEGORIES))
     return "\n".join(lines + [""])
 
 

@@ -105,11 +105,16 @@ def test_the_regions_bench_times_every_captured_region_each_way(capsys):
 
 
 def test_the_per_op_profile_times_the_same_ops_in_every_run():
-    """profile_engine --per-op: each op's time per step in the trainer, the auditor and a plain float64 step,
-    by the same aten names (the engine's top-level ops and a plain step's ops)."""
+    """profile_engine --per-op: each op's time per step in the trainer and the auditor, split into the
+    profile's categories, and in a plain float64 step, by the same aten names (the engine's top-level ops and a
+    plain step's ops); only the trainer scans, and the time between ops is Python and log I/O."""
     r = profile_engine.per_op("digits-cnn", {}, 1)
     assert set(r) == {"fp64", "trainer", "auditor"}
-    for run in r.values():
-        assert run["aten.convolution.default"] > 0 and run["aten.convolution_backward.default"] > 0
+    for op in ("aten.convolution.default", "aten.convolution_backward.default"):
+        assert r["fp64"][op] > 0
+        for run in ("trainer", "auditor"):
+            assert set(r[run][op]) == set(profile_engine.CATEGORIES) and r[run][op]["kernel"] > 0
+    assert sum(c["scan"] for c in r["trainer"].values()) > 0 and sum(c["scan"] for c in r["auditor"].values()) == 0
+    assert {c for c, t in r["trainer"][None].items() if t > 0} <= {"python", "log"}
     text = profile_engine.per_op_markdown({"digits": r}, "cmd", "machine", 3)
-    assert text.count("| digits |") == 4 and "**every op**" in text
+    assert text.count("| digits |") == 2 * (3 + 2) and text.count("**every op**") == 2

@@ -315,3 +315,42 @@ def test_entries_on_an_exact_max_pool_gradient_are_rejected(tmp_path, monkeypatc
     assert not r["accepted"] and r["suspicious"] >= 1, r["reasons"]
     first = r["suspicious_details"][0]
     assert "max_pool2d_with_indices_backward" in first["op"] and first["kind"] == "exact", r["suspicious_details"][:2]
+
+
+def test_a_moved_batchnorm_mean_inside_a_captured_region_is_rejected(tmp_path, monkeypatch):
+    """Inside a BatchNorm call, which an auditor replays as one captured region (digits-cnn's are small, so as
+    Python; capture.py): a trainer that moves some channel means to the next grid value, trains on them and logs
+    them as value entries. The auditor on another variant must not replay the region past those entries: its
+    records differ from the honest template, so it runs the call op by op and names the entries."""
+    orig = VerifiedMode._finish_op
+    moved = []
+
+    def finish(self, func, record, scalars, slots):
+        if self.writer is None or self.step < 1 or func is not torch.ops.aten.mean.dim or slots[0].y32.numel() > 64:
+            return orig(self, func, record, scalars, slots)
+        y = slots[0].y32.view(-1)
+        pos = torch.arange(min(2, y.numel()))
+        y[pos] = torch.nextafter(y[pos], torch.full_like(y[pos], float("inf")))
+        write = self.writer.op
+
+        def op(name, sc, outputs, rounded):
+            add_value_entries(outputs[0], pos, y[pos])
+            return write(name, sc, outputs, rounded)
+
+        self.writer.op = op
+        try:
+            return orig(self, func, record, scalars, slots)
+        finally:
+            del self.writer.op
+            moved.append(len(pos))
+
+    monkeypatch.setattr(VerifiedMode, "_finish_op", finish)
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")  # the trainer runs every BatchNorm op by op, through the hook
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
+    monkeypatch.undo()  # the auditor at default settings: small regions replay as Python, large ones compiled
+    assert sum(moved) > 0
+    r = audit_json(run, "combo")
+    assert not r["accepted"] and r["suspicious"] >= 1, r["reasons"]
+    first = r["suspicious_details"][0]
+    assert "mean.dim" in first["op"] and first["kind"] == "value", r["suspicious_details"][:2]

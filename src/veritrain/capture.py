@@ -165,9 +165,10 @@ def _hot(key) -> bool:
     """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (5000; 0
     never), after which the trainer compiles it. Compiling the default ResNet's small regions cost its
     trainer 12.7 s with a cold compile cache and 1.2 s with a warm one (bench/RESULTS.md, session 21); against
-    the same regions run as Python it saved 9 ms of an 82 ms step (docs/SPEED.md): a cold compile pays for
-    itself after about 1400 steps, a warm one after about 130. Short runs (and the test suite) never pay for
-    a compile; long runs get the gain."""
+    the same regions run as Python it took the trainer's step from 2.95-3.00x to 2.55-2.58x plain float64
+    (docs/SPEED.md, `VERITRAIN_CAPTURE_MIN_NUMEL=0` against the default; about 10 ms of that 25 ms step): a
+    cold compile pays for itself after about 1300 steps, a warm one after about 120. Short runs (and the test
+    suite) never pay for a compile; long runs get the gain."""
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     hot = int(hardware.setting("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))
     return 0 < hot <= n

@@ -335,8 +335,8 @@ _NUMPY_MAX_NUMEL = 1 << 18
 def any_candidate(y, scale, c: float, grid: Grid) -> bool:
     """Whether any element of float64 ``y`` is a candidate by the eager engine's bulk test (candidate_mask,
     in NumPy up to 2**18 values as ``_candidates_eager``). A captured region run as Python asks only this of
-    each approximate op (capture.py): in NumPy it costs a third of stability_flag's torch ops on the small
-    results such regions have (8 to 32768 values, `bench/profile_engine.py` workloads)."""
+    each approximate op (capture.py): in NumPy it costs less than stability_flag's ~20 torch ops on the small
+    results such regions have (8 to 32768 values; `python bench/bench_regions.py`, its two Python columns)."""
     c = float(c)
     if not isinstance(scale, torch.Tensor) or scale.shape != y.shape:
         scale = torch.as_tensor(scale, dtype=torch.float64, device=y.device).expand(y.shape)

@@ -32,7 +32,6 @@ from profile_engine import (_prepare_batch, _prepare_model, _step, build, each_w
                             write_section)
 from veritrain import capture  # noqa: E402
 from veritrain.engine import EngineConfig  # noqa: E402
-from veritrain.fused import define  # noqa: E402
 from veritrain.rounding import Grid  # noqa: E402
 
 VARIANTS = ("python", "python, torch test", "compiled")
@@ -40,10 +39,8 @@ VARIANTS = ("python", "python, torch test", "compiled")
 
 def _variants(region) -> dict:
     """The region's function three ways (see the module's docstring)."""
-    env = dict(region._env)
-    env.pop("PYTHON")
-    define(region.source, "<bench_regions: torch test>", env)
-    return {"python": region.program(False), "python, torch test": env["program"], "compiled": region.program(True)}
+    return {"python": region.program(False), "python, torch test": region.function(for_python=False),
+            "compiled": region.program(True)}
 
 
 def record(task_ref: str, config: dict, steps: int) -> dict:

@@ -101,19 +101,23 @@ class Region:
         """The region's function: compiled by torch.compile, or (``compiled`` False) its source run as Python,
         each op an eager aten call in float64 (another correct evaluation of the approximate ops, as the
         compiled one is; the exact ops' float32 kernels give the same bits either way)."""
-        if self._python is None:
-            env = dict(self._env)
-            env.update(env.pop("PYTHON"))
-            define(self.source, f"<veritrain captured region {next(self._ids)}>", env)
-            self._python = env["program"]
         if not compiled:
+            if self._python is None:
+                self._python = self.function(for_python=True)
             return self._python
         if self._fn is None:
-            env = dict(self._env)
-            del env["PYTHON"]
-            define(self.source, f"<veritrain captured region {next(self._ids)}>", env)
-            self._fn = torch.compile(env["program"], dynamic=False, fullgraph=True)
+            self._fn = torch.compile(self.function(for_python=False), dynamic=False, fullgraph=True)
         return self._fn
+
+    def function(self, for_python: bool):
+        """The generated function, uncompiled, with the helpers for running it as Python (the eager engine's
+        NumPy candidate test) or for torch.compile (the kernels' stability_flag)."""
+        env = dict(self._env)
+        python = env.pop("PYTHON")
+        if for_python:
+            env.update(python)
+        define(self.source, f"<veritrain captured region {next(self._ids)}>", env)
+        return env["program"]
 
     def run(self, tensors, compiled: bool = True):
         """(the call's results, the new values of the arguments it writes, the trainer's candidate flag)."""

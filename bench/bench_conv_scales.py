@@ -79,20 +79,23 @@ def scales_at(rule, call):
 
 def squares(reps):
     """One sum of squares over outer dimensions: the compiled kernel (VERITRAIN_COMPILE=1), the eager sum of
-    squares, and ATen's norm, median microseconds per call."""
+    squares in one sum and innermost dimensions first (fused._eager_squares: the "channel norms" over [0, 2, 3]),
+    and ATen's norm, median microseconds per call."""
     import os
 
-    print("\n| tensor | over | compiled (us) | eager (x * x).sum (us) | ATen norm (us) |\n| --- | --- | --- | --- | --- |")
-    for shape, dims in [((16, 8, 32, 32), [1]), ((16, 16, 16, 16), [0, 2, 3]), ((8, 64, 768), [0]),
+    print("\n| tensor | over | compiled (us) | eager (x * x).sum (us) | eager, innermost first (us) | ATen norm (us) |"
+          "\n| --- | --- | --- | --- | --- | --- |")
+    for shape, dims in [((16, 8, 32, 32), [1]), ((16, 8, 32, 32), [0, 2, 3]), ((16, 16, 16, 16), [0, 2, 3]), ((8, 64, 768), [0]),
                         ((512, 3072), [0]), ((64, 64, 32, 32), [0, 2, 3])]:
         x = torch.randn(shape, dtype=torch.float64)
         os.environ["VERITRAIN_COMPILE"] = "1"
         compiled = median_us(lambda: fused.sum_of_squares(x, dims), reps)
         os.environ.pop("VERITRAIN_COMPILE")
         eager = median_us(lambda: (x * x).sum(dims, keepdim=True), reps)
+        inner = median_us(lambda: fused._eager_squares(x, dims), reps)
         norm = median_us(lambda: torch.linalg.vector_norm(x, dim=dims, keepdim=True), reps)
         name = " x ".join(map(str, shape))
-        print(f"| {name} ({x.numel()} values) | {dims} | {compiled:.0f} | {eager:.0f} | {norm:.0f} |")
+        print(f"| {name} ({x.numel()} values) | {dims} | {compiled:.0f} | {eager:.0f} | {inner:.0f} | {norm:.0f} |")
 
 
 if __name__ == "__main__":

@@ -251,6 +251,24 @@ def test_norms_and_energies_follow_the_definition(shape, transpose, compiled, mo
         assert callable(SQUARES.get((len(sizes), reduced)))
 
 
+@pytest.mark.parametrize("dims", [[0, 2, 3], [0, 3], [-1, 0], [1, 3], [0, 1, 2, 3], [2, 3], [1]])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_eager_sum_of_squares_over_trailing_dimensions_first_is_the_sum_of_squares(dims, layout):
+    """fused._eager_squares sums a contiguous tensor's trailing reduced dimensions first, then the others (a
+    channel norm over an NCHW activation: [2, 3], then [0]): the same values as one sum, up to summation
+    order, in the same keepdim shape; other layouts take the one sum."""
+    from veritrain.fused import _eager_squares
+
+    torch.manual_seed(4)
+    x = torch.randn(6, 5, 7, 9, dtype=torch.float64)
+    if layout == "transposed":
+        x = x.transpose(1, 3)
+    got = _eager_squares(x, dims)
+    want = (x * x).sum(dims, keepdim=True)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, rtol=1e-14, atol=0)
+
+
 def test_norms_at_a_few_positions_reuse_the_full_norms_once_computed():
     """NormFactor.at: the trainer's kernel computed every norm (full()); the scales of its few candidates are
     read from those, not gathered and computed again from the operand (which cost about 1.5 ms per matrix

@@ -1148,25 +1148,33 @@ class VerifiedMode(TorchDispatchMode):
 
     def _replay(self, func, slot, entries: OutputEntries, phase, c, index):
         """Auditor: force the trainer's decisions for one output and check each is plausible. The checks run
-        in NumPy on the entries' values (few per output, where torch's per-operation dispatch dominates)."""
+        in NumPy on the entries' values (few per output, where torch's per-operation dispatch dominates); the
+        direction and value entries' values, scales and grid cells are fetched together, once per output (each
+        fetch costs more to call than to run: bench/profile_engine.py --per-op, the auditor's `classify`)."""
         if not entries.n_entries:
             return
         grid = self.grid
         slack = self.config.slack
         flat = slot.y32.view(-1)
         dev = flat.device
+        n_dir = len(entries.dir_pos)
+        positions = np.concatenate([entries.dir_pos, entries.val_pos]) if n_dir and len(entries.val_pos) \
+            else entries.dir_pos if n_dir else entries.val_pos
+        at_all = torch.from_numpy(positions).to(dev)
+        y_all = _host(slot.values_at(at_all))
+        tau_all = c * UNIT_ROUNDOFF * _host(slot.scale_at(at_all))
+        cell_all = grid.cell(y_all)
         with np.errstate(invalid="ignore", over="ignore"):
-            if len(entries.dir_pos):
-                at = torch.from_numpy(entries.dir_pos).to(dev)
+            if n_dir:
+                at = at_all[:n_dir]
                 pos = entries.dir_pos
-                yc = _host(slot.values_at(at))
+                yc, tau = y_all[:n_dir], tau_all[:n_dir]
+                cell = tuple(part[:n_dir] for part in cell_all)
                 away = entries.dir_bits.astype(bool)
-                cell = grid.cell(yc)  # once for both of its uses below
                 forced = grid.apply_direction(yc, away, cell)
                 natural = grid.round_host(yc)
                 contradicts = forced.view(np.int32) != natural.view(np.int32)
                 self.stats.corrections[phase] += int(contradicts.sum())
-                tau = c * UNIT_ROUNDOFF * _host(slot.scale_at(at))
                 dist = grid.midpoint_distance(yc, cell)
                 # needed only within slack * tau of a midpoint; NaN or infinite results never need one. An
                 # entry that *overrides* our rounding must be one an honest trainer could have made: its result
@@ -1182,14 +1190,13 @@ class VerifiedMode(TorchDispatchMode):
                                      f"threshold {float(tau[j]):.3g}", op=str(func))
                 flat[at] = torch.from_numpy(forced).to(dev)
             if len(entries.val_pos):
-                at = torch.from_numpy(entries.val_pos).to(dev)
+                at = at_all[n_dir:]
                 pos = entries.val_pos
                 vals = entries.val_bits.view(np.float32)
-                yc = _host(slot.values_at(at))
+                yc, tau, spacing = y_all[n_dir:], tau_all[n_dir:], cell_all[2][n_dir:]
                 natural = grid.round_host(yc)
                 contradicts = vals.view(np.int32) != natural.view(np.int32)
                 self.stats.corrections[phase] += int(contradicts.sum())
-                tau = c * UNIT_ROUNDOFF * _host(slot.scale_at(at))
                 v64 = vals.astype(np.float64)
                 window = slack * tau
                 # the auditor's own classification: a value entry is needed only where the error bound is not
@@ -1210,7 +1217,7 @@ class VerifiedMode(TorchDispatchMode):
                 if ok.any():  # the trainer could have logged any grid value in [lo, hi]
                     width = (hi - lo)[ok]
                     self.stats.freedom_value_window += float(width.sum())
-                    self.stats.freedom_value_cells += float((width / grid.spacing_at(np.abs(yc[ok]))).sum())
+                    self.stats.freedom_value_cells += float((width / spacing[ok]).sum())
                 for j in np.flatnonzero(bad).tolist():
                     self._suspicious(int(pos[j]), index, "value",
                                      f"{func}: logged value {float(vals[j])!r} but the computed value is "

@@ -158,6 +158,33 @@ def test_value_entries_inside_the_window_are_counted_as_the_trainers_freedom(tmp
     assert f["value_entries"] == logged and f["value_window_total"] > 0 and f["value_window_cells"] > logged
 
 
+def test_direction_and_value_entries_of_one_output_are_each_checked_against_their_own_position(tmp_path):
+    """The auditor fetches an output's direction and value entries' values and error bounds together
+    (VerifiedMode._replay); each entry must still be judged by its own position's bound. A forged direction
+    entry at a result far from any midpoint beside honest value entries (a result that cancels to rounding
+    noise, whose bound is large) in the same output: exactly the forged one is suspicious."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1, 64, generator=g)
+    b = torch.randn(64, 32, generator=g)
+    b[:, :16] *= 1e-6  # columns whose bound is a millionth of the others'
+    b[-1, -1] = (-(a[0, :-1].double() @ b[:-1, -1].double()) / a[0, -1].double()).float()  # column 31 ~ 0
+    path, (step, bits, ops) = step_log(tmp_path, torch.mm, a, b)
+    out = ops[-1].outputs[0]
+    assert len(out.val_pos) >= 1 and not len(out.dir_pos), "the honest log should hold value entries only"
+    y = (a.double() @ b.double()).reshape(-1)
+    spacing = GRID.spacing_at(y)
+    dist = GRID.midpoint_distance(y)
+    far = int(torch.nonzero(dist[:16] > spacing[:16] / 8)[0])  # a plain result, nowhere near a midpoint
+    assert far not in out.val_pos.tolist()
+    out.dir_pos = np.array([far], dtype=np.int64)
+    out.dir_bits = np.array([bool(GRID.round(y[far:far + 1]).double().abs() <= y[far].abs())])  # the other way
+    write_records(path, step, bits, ops)
+    stats, _ = replay(path, torch.mm, a, b)
+    assert stats.suspicious_count == 1, [s.detail for s in stats.suspicious]
+    assert stats.suspicious[0].kind == "direction" and stats.suspicious[0].position == far
+    assert stats.freedom()["value_entries"] == len(out.val_pos)
+
+
 @pytest.mark.parametrize("n, logged", [(16, 0), (12, 1)])
 def test_a_mean_over_a_power_of_two_of_an_exact_sum_leaves_no_choice(tmp_path, n, logged):
     """Shrinking the freedom where the result is determined: the mean of float32 values over 2**k

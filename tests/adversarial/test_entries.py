@@ -185,6 +185,42 @@ def test_direction_and_value_entries_of_one_output_are_each_checked_against_thei
     assert stats.freedom()["value_entries"] == len(out.val_pos)
 
 
+def test_a_flipped_rounding_beside_honest_value_entries_is_rejected_by_an_auditor_on_another_variant(tmp_path,
+                                                                                                      monkeypatch):
+    """A trainer that flips the rounding of one plain result (far from any midpoint) in each output that honestly
+    holds value entries, trains on it and logs it as a direction entry beside them. The auditor, on another
+    variant, checks both kinds of an output's entries from one fetch of their bounds (VerifiedMode._replay):
+    the flipped one must still be judged by its own bound, and the run rejected."""
+    orig = VerifiedMode._record
+    flipped = []
+
+    def record(self, slot, c):
+        e = orig(self, slot, c)
+        if self.step < 1 or not isinstance(slot, _EagerSlot) or not len(e.val_pos):
+            return e
+        y = slot.y64.reshape(-1)
+        far = torch.isfinite(y) & (GRID.midpoint_distance(y) > GRID.spacing_at(y) / 4)
+        pos = free_positions(far, e, 1)
+        if not len(pos):
+            return e
+        natural_away = GRID.round(y[pos]).double().abs() > y[pos].abs()
+        away = ~natural_away
+        slot.y32.view(-1)[pos] = GRID.apply_direction(y[pos], away)
+        add_direction_entries(e, pos, away)
+        flipped.append(int(pos[0]))
+        return e
+
+    monkeypatch.setattr(VerifiedMode, "_record", record)
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
+    monkeypatch.undo()
+    assert flipped, "no output with value entries to hide a flip beside"
+    r = audit_json(run, "combo")
+    assert not r["accepted"], "a flipped rounding beside honest value entries was accepted"
+    kinds = {d["kind"] for d in r["suspicious_details"]}
+    assert r["suspicious"] == len(flipped) and kinds == {"direction"}, r["suspicious_details"][:3]
+
+
 @pytest.mark.parametrize("n, logged", [(16, 0), (12, 1)])
 def test_a_mean_over_a_power_of_two_of_an_exact_sum_leaves_no_choice(tmp_path, n, logged):
     """Shrinking the freedom where the result is determined: the mean of float32 values over 2**k
@@ -307,18 +343,17 @@ def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeyp
     assert r["suspicious"] >= 1 and r["suspicious_details"][0]["kind"] == forgery, r["suspicious_details"][:2]
 
 
-def test_entries_on_an_exact_max_pool_gradient_are_rejected(tmp_path, monkeypatch):
-    """digits-cnn's pooling gradient (2 x 2 windows, stride 2: no input in two windows) is an exact op, which no
-    honest trainer logs an entry for. A trainer that moves some of its results to the next grid value, trains on
-    them and logs them as value entries is rejected by an auditor on another variant."""
+def moving_finish_op(moved: list, chosen):
+    """VerifiedMode._finish_op of a trainer that moves some float32 results of the ops ``chosen(func, slots)``
+    picks to the next grid value up (``chosen`` returns their positions, or None for an op left alone), trains
+    on them and logs them as value entries; ``moved`` gets each op's count."""
     orig = VerifiedMode._finish_op
-    moved = []
 
     def finish(self, func, record, scalars, slots):
-        if self.writer is None or self.step < 1 or func is not torch.ops.aten.max_pool2d_with_indices_backward.default:
+        pos = chosen(func, slots) if self.writer is not None and self.step >= 1 else None
+        if pos is None:
             return orig(self, func, record, scalars, slots)
         y = slots[0].y32.view(-1)
-        pos = y.nonzero().flatten()[:5]
         y[pos] = torch.nextafter(y[pos], torch.full_like(y[pos], float("inf")))
         write = self.writer.op
 
@@ -333,7 +368,21 @@ def test_entries_on_an_exact_max_pool_gradient_are_rejected(tmp_path, monkeypatc
             del self.writer.op
             moved.append(len(pos))
 
-    monkeypatch.setattr(VerifiedMode, "_finish_op", finish)
+    return finish
+
+
+def test_entries_on_an_exact_max_pool_gradient_are_rejected(tmp_path, monkeypatch):
+    """digits-cnn's pooling gradient (2 x 2 windows, stride 2: no input in two windows) is an exact op, which no
+    honest trainer logs an entry for. A trainer that moves some of its results to the next grid value, trains on
+    them and logs them as value entries is rejected by an auditor on another variant."""
+    moved = []
+
+    def chosen(func, slots):
+        if func is not torch.ops.aten.max_pool2d_with_indices_backward.default:
+            return None
+        return slots[0].y32.view(-1).nonzero().flatten()[:5]
+
+    monkeypatch.setattr(VerifiedMode, "_finish_op", moving_finish_op(moved, chosen))
     run = tmp_path / "run"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
     monkeypatch.undo()
@@ -349,29 +398,14 @@ def test_a_moved_batchnorm_mean_inside_a_captured_region_is_rejected(tmp_path, m
     Python; capture.py): a trainer that moves some channel means to the next grid value, trains on them and logs
     them as value entries. The auditor on another variant must not replay the region past those entries: its
     records differ from the honest template, so it runs the call op by op and names the entries."""
-    orig = VerifiedMode._finish_op
     moved = []
 
-    def finish(self, func, record, scalars, slots):
-        if self.writer is None or self.step < 1 or func is not torch.ops.aten.mean.dim or slots[0].y32.numel() > 64:
-            return orig(self, func, record, scalars, slots)
-        y = slots[0].y32.view(-1)
-        pos = torch.arange(min(2, y.numel()))
-        y[pos] = torch.nextafter(y[pos], torch.full_like(y[pos], float("inf")))
-        write = self.writer.op
+    def chosen(func, slots):
+        if func is not torch.ops.aten.mean.dim or slots[0].y32.numel() > 64:
+            return None
+        return torch.arange(min(2, slots[0].y32.numel()))
 
-        def op(name, sc, outputs, rounded):
-            add_value_entries(outputs[0], pos, y[pos])
-            return write(name, sc, outputs, rounded)
-
-        self.writer.op = op
-        try:
-            return orig(self, func, record, scalars, slots)
-        finally:
-            del self.writer.op
-            moved.append(len(pos))
-
-    monkeypatch.setattr(VerifiedMode, "_finish_op", finish)
+    monkeypatch.setattr(VerifiedMode, "_finish_op", moving_finish_op(moved, chosen))
     monkeypatch.setenv("VERITRAIN_COMPILE", "0")  # the trainer runs every BatchNorm op by op, through the hook
     run = tmp_path / "run"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))

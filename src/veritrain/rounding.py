@@ -338,11 +338,17 @@ def any_candidate(y, scale, c: float, grid: Grid) -> bool:
     each approximate op (capture.py): in NumPy it costs less than stability_flag's ~20 torch ops on the small
     results such regions have (8 to 32768 values; `python bench/bench_regions.py`, its two Python columns)."""
     c = float(c)
-    if not isinstance(scale, torch.Tensor) or scale.shape != y.shape:
-        scale = torch.as_tensor(scale, dtype=torch.float64, device=y.device).expand(y.shape)
+    scale = _scale_like(scale, y)
     if y.device.type == "cpu" and y.numel() <= _NUMPY_MAX_NUMEL and y.dtype == scale.dtype == torch.float64:
         return bool(_near_numpy(y, scale, c, grid.low_mask, grid.half, grid.value_units).any())
     return bool(candidate_mask(y.contiguous(), scale.contiguous(), c, grid.low_mask, grid.half, grid.value_units).any())
+
+
+def _scale_like(scale, y: torch.Tensor) -> torch.Tensor:
+    """A scale (a number, or a tensor that broadcasts) at y's shape, as float64; one already of that shape as it is."""
+    if not isinstance(scale, torch.Tensor) or scale.shape != y.shape:
+        scale = torch.as_tensor(scale, dtype=torch.float64, device=y.device).expand(y.shape)
+    return scale
 
 
 _compiled = None
@@ -351,8 +357,7 @@ _compiled = None
 def _candidates(y, scale, c, grid: Grid, positions: bool = False):
     # tau / ulp64(y) = c * u * scale / ulp64(y) < c * scale / |y|, because ulp64(y) > u * |y|
     c2 = float(c)
-    if not isinstance(scale, torch.Tensor) or scale.shape != y.shape:
-        scale = torch.as_tensor(scale, dtype=torch.float64, device=y.device).expand(y.shape)
+    scale = _scale_like(scale, y)
     y = y.contiguous()
     scale = scale.contiguous()
     if compiled_path(y.numel(), y.device, "VERITRAIN_COMPILE_MIN_NUMEL", 1 << 20):

@@ -225,6 +225,7 @@ def _picked_nll(func, args, kwargs):
 _PICKED = {aten.nll_loss_forward.default, aten.nll_loss_backward.default}
 _IGNORED_NAMESPACES = ("profiler",)
 _NOT_FUSED = object()
+_NO_POSITIONS = torch.zeros(0, dtype=torch.int64)  # a part of a packed result without candidates (_PartSlot)
 _FUSED_CACHE: dict = {}
 _EPILOGUE_CACHE: dict = {}
 _SUMS_CACHE: dict = {}
@@ -441,6 +442,8 @@ class _PartSlot:
         if not self.found:
             self.found.append(_host(self.whole.candidate_indices(c)).astype(np.int64, copy=False))
         found = self.found[0]
+        if not len(found):  # the usual case: no candidate in the whole, so none in any part
+            return _NO_POSITIONS
         lo, hi = np.searchsorted(found, (self.start, self.start + self.n))
         return torch.from_numpy(found[lo:hi] - self.start)
 
@@ -961,8 +964,7 @@ class VerifiedMode(TorchDispatchMode):
         finals = self._finish_op(func, record, scalars, slots)
         results = [f.view(t.shape) for f, t in zip(finals, named["self"])]
         if info.variant == "inplace":
-            for orig, y32 in zip(_named(func, args, kwargs)["self"], results):
-                _write_back(orig, y32)
+            _write_back_all(_named(func, args, kwargs)["self"], results)
             return None
         # a packed tensor's result is a view of its group's: each result gets memory of its own, as the op's do
         return [y.clone() if isinstance(slot, _PartSlot) else y for y, slot in zip(results, slots)]
@@ -1470,6 +1472,20 @@ def _write_back(orig: torch.Tensor, y32: torch.Tensor):
     if y32.data_ptr() == orig.data_ptr() and y32.stride() == orig.stride() and y32.dtype == orig.dtype:
         return  # the kernel wrote the result in place (_fused_slot's ``into``)
     orig.copy_(y32)
+
+
+def _write_back_all(origs, results):
+    """``_write_back`` of a foreach op's results: the plain copies (most of them: an optimizer's small
+    parameters, computed laid end to end) in one foreach call rather than a call each."""
+    dst, src = [], []
+    for orig, y32 in zip(origs, results):
+        if orig.shape != y32.shape or orig.dtype != y32.dtype or y32.data_ptr() == orig.data_ptr():
+            _write_back(orig, y32)
+        else:
+            dst.append(orig)
+            src.append(y32)
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def _packs(leaves) -> bool:

@@ -7,6 +7,7 @@ Every region here is below the size threshold: with VERITRAIN_COMPILE=1 each rep
 ("auto") each replays as Python."""
 
 import hashlib
+import math
 import warnings
 
 import numpy as np
@@ -128,6 +129,56 @@ def test_a_small_region_replays_as_python_and_is_compiled_once_its_signature_is_
     monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "0")  # never compiled
     assert train(tmp_path, "never", "auto", monkeypatch)[0] == eager
     assert regions() and not any(compiled().values())
+
+
+def test_a_sum_in_a_region_run_as_python_is_certified_only_where_its_plain_scale_flags(tmp_path, monkeypatch):
+    """A region run as Python tests a sum with its scale before the exactness certificate, and certifies it
+    only where that test flags (the certified scale is 0 or the same, and the test is monotone in the scale).
+    A tiny threshold for sums: nothing flags, so no certificate is computed while every region replays; a
+    huge one: every sum flags, every one is certified, and since these sums are exact the regions still
+    replay. The eager engine's weights and log in both."""
+    tested, certified = [], []
+    scale, lazily = capture._certified_scale, capture._certified_flag_lazily
+    monkeypatch.setattr(capture, "_certified_scale", lambda *a: certified.append(1) or scale(*a))
+    monkeypatch.setattr(capture, "_certified_flag_lazily", lambda *a: tested.append(1) or lazily(*a))
+    for name, accumulate in (("tiny", 2.0**-30), ("huge", 2.0**40)):
+        config = EngineConfig(thresholds={"accumulate": accumulate, "elementwise": 32.0})
+        eager, _ = train(tmp_path, f"eager-{name}", "0", monkeypatch, config=config)
+        tested.clear(), certified.clear()
+        captured, _ = train(tmp_path, name, "auto", monkeypatch, config=config)
+        assert regions() and all(r == STEPS - 1 and f == 0 for r, f in regions().values()), regions()
+        assert captured == eager
+        assert log_bytes(tmp_path, name) == log_bytes(tmp_path, f"eager-{name}")
+        # BatchNorm's sums (its mean and variance forward, two sums backward) and the softmaxes' one
+        assert len(tested) >= 4 * (STEPS - 1)
+        # at the tiny threshold only sums of about zero flag (below float32's normal range any scale does)
+        assert len(certified) < len(tested) / 2 if name == "tiny" else len(certified) == len(tested), \
+            (name, len(tested), len(certified))
+
+
+def test_the_lazy_certificate_gives_the_certified_tests_answer():
+    """capture._certified_flag_lazily against the test of the certified scale itself, on sums of float32
+    values that are exact (certified: scale 0) or not (a summand 2**-100 beside ones of about 1), at
+    thresholds that flag nothing, some or everything."""
+    from veritrain.rounding import Grid, any_candidate
+
+    rng = np.random.default_rng(0)
+    flag = lambda y, s, c: any_candidate(y, s, c, Grid(32))  # noqa: E731
+    answers = set()
+    for case in range(300):
+        x = (rng.standard_normal((4, 6, 5)) * 2.0 ** rng.integers(-20, 20, (4, 1, 1))).astype(np.float32)
+        if case % 3 == 0:
+            x[rng.integers(4), rng.integers(6), 0] = 2.0**-100
+        x = torch.from_numpy(x).to(torch.float64)
+        dims, keep = ([0, 2], False) if case % 2 else ([2], True)
+        a = x.abs()
+        t = a.sum(dims, keepdim=keep)
+        s, y = math.sqrt(x.numel() / t.numel()) * t, x.sum(dims, keepdim=keep)
+        for c in (2.0**-30, 8.0, 2.0**20, 2.0**40):
+            want = flag(y, capture._certified_scale(a, t, s, dims, keep), c)
+            assert capture._certified_flag_lazily(flag, y, s, a, t, (dims, keep), c) == want, (case, c)
+            answers.add((want, flag(y, s, c)))
+    assert answers == {(False, False), (False, True), (True, True)}  # each way the two tests can go
 
 
 @BOTH

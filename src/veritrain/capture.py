@@ -168,11 +168,11 @@ _CALLS: dict = {}  # signature of a region below the size threshold -> its calls
 def _hot(key) -> bool:
     """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (5000; 0
     never), after which the trainer compiles it. Compiling the default ResNet's small regions cost its
-    trainer 12.7 s with a cold compile cache and 1.2 s with a warm one (bench/RESULTS.md, session 21); against
-    the same regions run as Python it took the trainer's step from 2.95-3.00x to 2.55-2.58x plain float64
-    (docs/SPEED.md, `VERITRAIN_CAPTURE_MIN_NUMEL=0` against the default; about 10 ms of that 25 ms step): a
-    cold compile pays for itself after about 1300 steps, a warm one after about 120. Short runs (and the test
-    suite) never pay for a compile; long runs get the gain."""
+    trainer 12.7 s with a cold compile cache and 1.2 s with a warm one (bench/RESULTS.md, session 21). Run as
+    Python, with a sum's certificate computed only where it can change the test (``_certified_flag_lazily``),
+    they take about 5 ms of its step and compiled 2-3 ms (`python bench/bench_regions.py`, session 25; about
+    12 ms as Python before that change): a cold compile pays for itself about 5000 steps later, a warm one
+    about 500. Short runs (and the test suite) never pay for a compile; long runs get the gain."""
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     hot = int(hardware.setting("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))
     return 0 < hot <= n

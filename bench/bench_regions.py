@@ -1,6 +1,6 @@
 """Captured regions (capture.py) of a workload's verified step, each timed as it replays: its function run as
 Python with the NumPy candidate test (what a small region runs by default), the same with the compiled
-function's torch test (stability_flag), and compiled (a large region, or a trainer's hot one).
+function's torch test (stability_flag, every sum's certificate computed), and compiled (a large region, or a trainer's hot one).
 
     python bench/bench_regions.py                                   # resnet and digits, trainer and auditor
     python bench/bench_regions.py --workloads digits --repeats 10 --no-write
@@ -107,8 +107,9 @@ def markdown(results: dict, command: str, machine: str) -> str:
              "Written by `bench/bench_regions.py`: each captured region of the workloads' verified steps timed on "
              "its last call's inputs, in microseconds (medians, the variants rotated in one process). `python` is "
              "what a region below `VERITRAIN_CAPTURE_MIN_NUMEL` runs (its generated function as Python, the "
-             "eager engine's candidate test in NumPy); `python, torch test` the same with the compiled "
-             "function's stability_flag; `compiled` what a large region, or a trainer's hot one, runs. `in "
+             "eager engine's candidate test in NumPy, a sum's exactness certificate only where its plain scale "
+             "flags); `python, torch test` the same with the compiled function's test (stability_flag, every "
+             "sum certified); `compiled` what a large region, or a trainer's hot one, runs. `in "
              "step`: the same region's calls inside the verified steps (after the first), by the variant the "
              "engine chose (`runs`), with the replay's own work around the call.", ""]
     head = ["workload", "role", "region (first op)", "logged ops", "largest tensor", "calls / step", *VARIANTS,

@@ -323,7 +323,7 @@ def _lower(mode, rec: Recorder, out) -> Region:
     grid = mode.grid
     refs = dict(rec.refs)
     flag, python_flag = kernel_flag(grid), functools.partial(_any_candidate, grid=grid)
-    env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": flag, "ANY": _any_flag, "INF": math.inf,
+    env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": flag, "ANY": _any_flag,
            "SUMFLAG": functools.partial(_certified_flag, flag),
            # run as Python: the eager engine's own bulk test, in NumPy (rounding.any_candidate), one bool an op
            "PYTHON": {"FLAG": python_flag, "ANY": any, "SUMFLAG": functools.partial(_certified_flag_lazily, python_flag)}}
@@ -492,7 +492,7 @@ def _certified_flag_lazily(flag, y, s, a, t, certificate, c):
     (candidate_mask: the distance to the midpoint against c times the scale), so where ``s`` itself flags
     none the certified scale flags none. So it is in most calls (the default ResNet's trainer, 20 steps: 57 of
     830 sums needed the certificate), which costs a masked minimum over the summed dimensions and four more
-    passes, about a fifth of a small BatchNorm region run as Python."""
+    passes: about half of a small BatchNorm region's cost as Python (`python bench/bench_regions.py`)."""
     return flag(y, s, c) and flag(y, _certified_scale(a, t, s, *certificate), c)
 
 

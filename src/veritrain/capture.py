@@ -474,11 +474,7 @@ def _certified_scale(a, t, s, dims, keep):
     """A sum's scale ``s`` with its exactness certificate (rules._reduction_sum): 0 where the sum ``t`` of the
     summands' magnitudes ``a`` stays below 2**52 times the quantum of the smallest nonzero one, so that the
     float64 sum is exact in any order."""
-    m = torch.where(a == 0, math.inf, a).amin(dims, keepdim=keep)
-    e = ((m.view(torch.int64) >> 52) & 2047) - 1023
-    q = ((torch.clamp(e - 23, min=-149) + 1023) << 52).view(torch.float64)
-    q = torch.where(torch.isfinite(m), q, math.inf)
-    return torch.where(t < rules._EXACT_LIMIT * q, 0.0, s)
+    return torch.where(t < rules._EXACT_LIMIT * rules._min_quantum(a, dims, keep), 0.0, s)
 
 
 def _certified_flag(flag, y, s, a, t, certificate, c):

@@ -11,12 +11,13 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 && timeout 540 bash bench/gpu_check.sh $OUT shared
 #   > $OUT/log.txt 2>&1
-# Most important first, each part under its own time limit, the summary rewritten after each workload,
-# so a run cut short still returns what it measured. OUT_DIR gets at most 8 files (what the device tool
-# brings back): log.txt is written by the caller; env.txt, summary.md (the figures bench/RESULTS.md
-# quotes), audits.tar.gz (every train/audit JSON and error output), digits-gpu-run.tar.gz (the GPU-trained
-# digits-cnn run, to audit on another machine), pytest.txt, bench-resnet18.md and bench-gpt2-117m.md
-# (bench_engine.py on the GPU).
+# Most important first (the three workloads across devices, then the GPU's step times, then plain float32
+# and the CUDA tests), each part under its own time limit, the summary rewritten after each workload, so a
+# run cut short still returns what it measured. OUT_DIR gets at most 8 files (what the device tool brings
+# back): log.txt is written by the caller; env.txt, summary.md (the figures bench/RESULTS.md quotes),
+# audits.tar.gz (every train/audit JSON and error output), runs.tar.gz (the digits-cnn and ResNet runs
+# trained on either device, to audit on another machine), bench-resnet18.md and bench-gpt2-117m.md
+# (bench_engine.py on the GPU), pytest.txt.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [SHARED_DIR] [GPU]}
 shared=${2:-../shared}
@@ -100,28 +101,29 @@ workload() {
 }
 
 workload digits 10
-(cd "$work/runs" && tar czf "$out/digits-gpu-run.tar.gz" digits-gpu 2>/dev/null)
-for side in gpu cpu; do
-  dev=$gpu; [ $side = cpu ] && dev=cpu
-  vt 100 "$dev" train digits-cnn --steps 10 --checkpoint-every 10 --quiet --json --mode fp32 \
-    --out "$work/runs/digits-$side-fp32" > "$work/digits-$side-fp32.json" 2>/dev/null
-done
-summarise
-# GPU step times against the same GPU's plain float32 and float64 steps; GPT-2 117M's were measured in
-# session 15 (bench/RESULTS.md), ResNet-18's not yet: it first, each in a file of its own (written at the end)
+workload gpt2 6
+workload resnet 4
+# the small runs of both devices (GPT-2's checkpoints hold the 50257-token embedding: too large to bring back)
+(cd "$work/runs" && tar czf "$out/runs.tar.gz" digits-gpu digits-cpu resnet-gpu resnet-cpu 2>/dev/null)
+
+# GPU step times against the same GPU's plain float32 and float64 steps, each workload in a file of its own
 for w in resnet18 gpt2-117m; do
   stamp "bench/bench_engine.py on $gpu: $w, plain float32 / float64, trainer, auditor"
   timeout 150 "$py" bench/bench_engine.py --device "$gpu" --workloads $w --steps 2 --out "$out/bench-$w.md" \
     --shared "$shared/data" 2>&1 | tail -12
 done
 
+for side in gpu cpu; do
+  dev=$gpu; [ $side = cpu ] && dev=cpu
+  vt 100 "$dev" train digits-cnn --steps 10 --checkpoint-every 10 --quiet --json --mode fp32 \
+    --out "$work/runs/digits-$side-fp32" > "$work/digits-$side-fp32.json" 2>/dev/null
+done
+summarise
+
 # the GPU machine's Python has pytest without pytest-xdist: the repo's addopts (-n 2) would stop it
 stamp "the CUDA tests of tests/test_device.py (skipped where no GPU is visible)"
 timeout 200 "$py" -m pytest -q -x -p no:cacheprovider -o addopts="" tests/test_device.py -k cuda 2>&1 | tail -25 \
   | tee "$out/pytest.txt"
-
-workload gpt2 6
-workload resnet 4
 
 rm -rf "$work"
 stamp done

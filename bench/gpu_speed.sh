@@ -34,11 +34,13 @@ timeout 170 "$py" bench/profile_engine.py --device cuda --workloads gpt2-117m,re
 tail -14 "$out/profile.md"
 
 # torch before 2.13 shared one recompile budget among generated functions (fixed by fused.define's linecache
-# entries): a CPU run whose every sizeable output takes a compiled kernel must print no fallback warning
+# entries): a CPU run whose every sizeable output takes a compiled kernel must print no fallback warning, nor
+# the compiler check's (fused.compiled_code_rounds: under torch 2.11 on the H200 machine's Xeon, session 26,
+# it found compiled code that does not round as eager ops do, and kept the compiled paths off)
 stamp "compiled CPU engine under this torch (GPT-2 2x128, 2 steps, kernels from 256 elements)"
 VERITRAIN_COMPILE_MIN_NUMEL=256 timeout 150 "$py" -m veritrain.cli train gpt2-shakespeare --device cpu \
   --set "corpus=$shared/data/shakespeare.txt" --set "tokenizer=$shared/data/gpt2-tokenizer" --set n_layer=2 \
   --set n_embd=128 --set n_head=4 --set max_chars=200000 --steps 2 --checkpoint-every 2 --quiet --json \
   --out "$(mktemp -d)/run" > "$out/compiled-cpu.txt" 2>&1
-echo "exit $?; fallback warnings: $(grep -ci 'unavailable\|recompile' "$out/compiled-cpu.txt")" | tee -a "$out/compiled-cpu.txt"
+echo "exit $?; fallback warnings: $(grep -ci 'unavailable\|recompile\|does not round' "$out/compiled-cpu.txt")" | tee -a "$out/compiled-cpu.txt"
 stamp done

@@ -2,6 +2,8 @@
 optimizer's step size does every step: one compiled kernel serves every value (the scalars are its arguments),
 and its results and log are the eager engine's for each value."""
 
+import re
+
 import pytest
 import torch
 
@@ -422,8 +424,14 @@ def test_compiled_paths_are_off_where_the_compiled_code_does_not_round(monkeypat
     real = fused.compile_kernel
     monkeypatch.setattr(fused, "compile_kernel", lambda fn, **kw: real(lambda y: y) if fn.__name__ == "round_trip"
                         else real(fn, **kw))  # the miscompile: no rounding on the way
-    with pytest.warns(UserWarning, match="does not round"):
+    with pytest.warns(UserWarning, match="does not round") as warned:
         assert not hardware.compiled_path(1, "cpu", "VERITRAIN_COMPILE_MIN_NUMEL", 1)
+    # the warning says how many values differ and shows some: a value between float32's grid points comes
+    # back unrounded (the miscompile) where the eager round trip gives a float32 value
+    message = str(warned[0].message)
+    assert re.search(r"\(\d+ of 4106 values of the check differ: ", message), message
+    y = float.fromhex(message.split("differ: ")[1].split(" -> ")[0])
+    assert y != float(torch.tensor(y).float()), message
     assert not fused.FusedKernels.enabled_for(1 << 20, torch.device("cpu"))
     monkeypatch.setattr(engine, "_FUSED_CACHE", {})
     x = torch.rand(300, 300, generator=torch.Generator().manual_seed(2)) + 0.5

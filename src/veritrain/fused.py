@@ -107,10 +107,16 @@ def compiled_code_rounds() -> bool:
     except Exception as exc:
         FusedKernels.warn_once(None, exc)
         return False
-    if torch.equal(got.view(torch.int64), y.to(torch.float32).to(torch.float64).view(torch.int64)):
+    want = y.to(torch.float32).to(torch.float64)
+    differ = (got.view(torch.int64) != want.view(torch.int64)).nonzero().flatten().tolist()
+    if not differ:
         return True
-    warnings.warn("veritrain: this process's compiled code does not round float64 values to float32 as eager ops "
-                  "do; compiled kernels are off (same results, slower)")
+    # which values, so that a machine seen once (a lent GPU machine's CPU) tells what its compiler does
+    examples = "; ".join(f"{float(y[i]).hex()} -> {float(got[i]).hex()}, eager {float(want[i]).hex()}"
+                         for i in differ[:3])
+    warnings.warn(f"veritrain: this process's compiled code does not round float64 values to float32 as eager ops "
+                  f"do ({len(differ)} of {y.numel()} values of the check differ: {examples}); compiled kernels are "
+                  f"off (same results, slower)")
     return False
 
 

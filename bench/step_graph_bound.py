@@ -12,6 +12,8 @@ issue's 1.5x / 1.3x targets are within reach of one graph per step or bounded by
 Runs, alternating in one process (medians of same-step ratios to ``fp64``):
 
 * ``fp64``: the task's plain float64 step, eager (the denominator of every ratio in bench/RESULTS.md);
+* ``fp64, dispatch mode``: the same eager step under a ``TorchDispatchMode`` that only calls each op it sees: the
+  floor of any engine that works op by op in Python, as veritrain's dispatch mode does, before it does any work;
 * ``fp64 compiled``: the same step through ``torch.compile`` (inductor);
 * ``rounded``: compiled, each op's float64 result rounded to float32 and back where the engine rounds it (its
   rule, rules.py, is exact or approximate: an exact op's float32 kernel gives its float64 value rounded once),
@@ -50,6 +52,7 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._inductor.compile_fx import compile_fx_inner  # noqa: E402
 from torch._inductor.decomposition import select_decomp_table  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from profile_engine import each_workload, write_section  # noqa: E402
 from veritrain import rules  # noqa: E402
@@ -58,8 +61,23 @@ from veritrain.rounding import Grid, stability_flag  # noqa: E402
 from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
 from veritrain.task import build  # noqa: E402
 
-RUNS = ("fp64", "fp64 compiled", "rounded", "rounded + scanned")
+RUNS = ("fp64", "fp64, dispatch mode", "fp64 compiled", "rounded", "rounded + scanned")
 THRESHOLDS = EngineConfig().thresholds
+
+
+class _PassThrough(TorchDispatchMode):
+    """Calls each op it sees and nothing else: what a dispatch mode costs before its own work."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _under_dispatch_mode(step):
+    def run(batch):
+        with _PassThrough():
+            return step(batch)
+
+    return run
 
 
 class _Rounding(torch.fx.Interpreter):
@@ -148,6 +166,7 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
         _prepare_model(task, "fp64", grid)
         tasks[name] = task
     runs["fp64"] = tasks["fp64"].run_step
+    runs["fp64, dispatch mode"] = _under_dispatch_mode(tasks["fp64, dispatch mode"].run_step)
     runs["fp64 compiled"] = torch.compile(tasks["fp64 compiled"].run_step, dynamic=False)
     runs["rounded"] = torch.compile(tasks["rounded"].run_step, backend=rounding_backend(False, seen, []), dynamic=False)
     runs["rounded + scanned"] = torch.compile(tasks["rounded + scanned"].run_step,
@@ -187,18 +206,22 @@ def markdown(results: dict, descriptions: dict, command: str, machine: str) -> s
              f"Machine: {machine}", "",
              "Written by `bench/step_graph_bound.py`. Each step index ran every variant once, in rotated order, in "
              "one process; ratios are medians of same-step ratios to the eager plain float64 step (the "
-             "denominator of bench/profile_engine.py). `rounded`: the step compiled whole by torch.compile with "
+             "denominator of bench/profile_engine.py). `dispatch mode`: the eager float64 step under a dispatch "
+             "mode that only calls each op (the floor of an engine that works op by op in Python, before its "
+             "work). `rounded`: the step compiled whole by torch.compile with "
              "every result the engine rounds (exact and approximate ops) rounded to float32 (an auditor's graph "
              "where its log has no entry); `rounded + scanned`: also the engine's error scale and near-midpoint "
              "test of every approximate op's result (a trainer's graph). A cost bound, not a verified step: "
              "inductor's decomposition of the ops, no classification of the candidates, no log (the script's "
              "docstring). Candidates: the test's count a step, a superset of the entries the engine's "
              "classification keeps.", "",
-             "| workload | fp64 (eager) | fp64 compiled | rounded | rounded + scanned | candidates a step (the test's) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| workload | fp64 (eager) | dispatch mode | fp64 compiled | rounded | rounded + scanned | candidates a step "
+             "(the test's) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         o = r["over_fp64"]
-        lines.append(f"| {name} | 1.00x ({r['median_ms']['fp64']:.3g} ms) | {o['fp64 compiled']:.2f}x | "
+        lines.append(f"| {name} | 1.00x ({r['median_ms']['fp64']:.3g} ms) | {o['fp64, dispatch mode']:.2f}x | "
+                     f"{o['fp64 compiled']:.2f}x | "
                      f"{o['rounded']:.2f}x | {o['rounded + scanned']:.2f}x | {r['candidates']:.0f} |")
     lines += ["", "Ops without an engine rule, left unrounded: " + "; ".join(
         f"{name}: {', '.join(r['no rule']) or 'none'}" for name, r in results.items()) + ".", "",

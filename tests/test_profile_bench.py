@@ -90,6 +90,32 @@ def test_the_graph_bound_rounds_what_the_engine_rounds_and_scans_its_approximate
         assert not torch.equal(plain[1], plain[1].float().double())  # so the rounding took place
 
 
+def test_the_graph_bounds_dispatch_mode_sees_every_op_and_changes_nothing(monkeypatch):
+    """bench/step_graph_bound.py's per-op floor: the step under a dispatch mode that only calls each op gives
+    the plain step's values bit for bit, and every op goes through the mode (else it would time less than a
+    per-op engine pays)."""
+    import torch
+
+    import step_graph_bound
+
+    seen = []
+    real = step_graph_bound._PassThrough.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(str(func))
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(step_graph_bound._PassThrough, "__torch_dispatch__", counting)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 5, generator=g).double(), torch.randn(5, 3, generator=g).double()
+
+    def step(batch):
+        return torch.tanh(batch @ w).sum()
+
+    assert torch.equal(step_graph_bound._under_dispatch_mode(step)(x), step(x))
+    assert {"aten.mm.default", "aten.tanh.default", "aten.sum.default"} <= set(seen), seen
+
+
 def test_the_regions_bench_times_every_captured_region_each_way(capsys):
     """bench/bench_regions.py: every region of digits-cnn's steps, the trainer's and the auditor's, timed as
     Python (NumPy test, torch test) and compiled; it exits with an error where the variants' results differ."""

@@ -335,6 +335,35 @@ def test_compiled_paths_run_on_the_cpu_only(monkeypatch, setting):
 
 
 
+def test_the_engine_asks_for_compiled_paths_on_its_operands_device(monkeypatch):
+    """Each compiled path is asked about the device of a tensor of the op (a CUDA op never about the CPU: on the
+    H200 machine that made every CUDA process compile the compiler check on its CPU, for paths it never takes)."""
+    from veritrain import engine as engine_module, fused
+
+    asked = []
+    real = fused.compiled_path
+    monkeypatch.setattr(fused, "compiled_path", lambda n, device, *a: asked.append(device) or real(n, device, *a))
+    monkeypatch.setattr(engine_module, "_FUSED_CACHE", {})
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.rand(256, 300, generator=g) + 0.5, torch.rand(300, 4, generator=g)
+    with step_context(EngineConfig(), 0):
+        torch.exp(x).mm(w).sum()
+    assert asked and all(isinstance(d, torch.device) and d == x.device for d in asked), asked
+
+
+@needs_cuda
+def test_a_cuda_step_never_runs_the_compiler_check(monkeypatch):
+    from veritrain import engine as engine_module
+
+    monkeypatch.setattr(hardware, "_compiler_ok", None)
+    monkeypatch.setattr(engine_module, "_FUSED_CACHE", {})
+    g = torch.Generator().manual_seed(3)
+    x, w = (torch.rand(256, 300, generator=g) + 0.5).cuda(), torch.rand(300, 4, generator=g).cuda()
+    with step_context(EngineConfig(), 0):
+        torch.exp(x).mm(w).sum()
+    assert hardware._compiler_ok is None
+
+
 @needs_cuda
 def test_counter_based_draws_are_the_same_bits_on_cpu_and_cuda():
     for draws in (direct_draws, engine_draws):

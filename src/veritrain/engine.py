@@ -745,9 +745,11 @@ class VerifiedMode(TorchDispatchMode):
             return result
 
         # the fused paths' size test on the largest operand of all first, before their own work: where it fails
-        # theirs would too (they test a tensor of these, on its device; off the CPU they are off)
-        fusable = self.probe is None and self.emulate is None and FusedKernels.enabled_for(
-            max((x.numel() for x in leaves if isinstance(x, torch.Tensor)), default=0), "cpu")
+        # theirs would too (they test that tensor, on its device; off the CPU they are off, and a GPU's ops
+        # never ask the compiler check: on the H200 machine it cost each CUDA process a CPU compile)
+        largest = max((x for x in leaves if isinstance(x, torch.Tensor)), key=torch.Tensor.numel, default=None)
+        fusable = self.probe is None and self.emulate is None and largest is not None \
+            and FusedKernels.enabled_for(largest.numel(), largest.device)
         if fusable and rule.kind == rules.APPROX and rule.fused:
             done = self._try_fused(func, rule, info, leaves, spec, args, kwargs, record, scalars)
             if done is not _NOT_FUSED:

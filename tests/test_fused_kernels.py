@@ -432,6 +432,13 @@ def test_compiled_paths_are_off_where_the_compiled_code_does_not_round(monkeypat
     assert re.search(r"\(\d+ of 4106 values of the check differ: ", message), message
     y = float.fromhex(message.split("differ: ")[1].split(" -> ")[0])
     assert y != float(torch.tensor(y).float()), message
+    # compiled code that returns something other than the values asked for (a shorter result) is refused too,
+    # with a warning, not an error
+    monkeypatch.setattr(hardware, "_compiler_ok", None)
+    monkeypatch.setattr(fused, "compile_kernel", lambda fn, **kw: real(lambda y: y[:5]) if fn.__name__ == "round_trip"
+                        else real(fn, **kw))
+    with pytest.warns(UserWarning, match=r"returned torch.float64 \(5,\) for a rounding of \(4106,\)"):
+        assert not hardware.compiled_path(1, "cpu", "VERITRAIN_COMPILE_MIN_NUMEL", 1)
     assert not fused.FusedKernels.enabled_for(1 << 20, torch.device("cpu"))
     monkeypatch.setattr(engine, "_FUSED_CACHE", {})
     x = torch.rand(300, 300, generator=torch.Generator().manual_seed(2)) + 0.5

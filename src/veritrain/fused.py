@@ -108,6 +108,10 @@ def compiled_code_rounds() -> bool:
         FusedKernels.warn_once(None, exc)
         return False
     want = y.to(torch.float32).to(torch.float64)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        warnings.warn(f"veritrain: this process's compiled code returned {got.dtype} {tuple(got.shape)} for a "
+                      f"rounding of {tuple(y.shape)} float64 values; compiled kernels are off (same results, slower)")
+        return False
     differ = (got.view(torch.int64) != want.view(torch.int64)).nonzero().flatten().tolist()
     if not differ:
         return True

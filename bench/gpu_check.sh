@@ -14,7 +14,8 @@
 # Most important first (the three workloads across devices, then the GPU's step times, then plain float32
 # and the CUDA tests), each part under its own time limit, the summary rewritten after each workload, so a
 # run cut short still returns what it measured. OUT_DIR gets at most 8 files (what the device tool brings
-# back): log.txt is written by the caller; env.txt, summary.md (the figures bench/RESULTS.md quotes),
+# back): log.txt is written by the caller; env.txt (and the compiler check on each device), summary.md (the
+# figures bench/RESULTS.md quotes),
 # audits.tar.gz (every train/audit JSON and error output), runs.tar.gz (the digits-cnn and ResNet runs
 # trained on either device, to audit on another machine), bench-resnet18.md and bench-gpt2-117m.md
 # (bench_engine.py on the GPU), pytest.txt.
@@ -43,6 +44,15 @@ stamp environment
 { nvidia-smi -L 2>/dev/null; lscpu | grep -m1 'Model name'; nproc
   "$py" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"; } 2>&1 | tee "$out/env.txt"
+
+# the compiler check (fused.compiled_code_rounds) on each device, into env.txt: False, with a warning naming the
+# values, where that device's compiled code does not round float64 to float32 as eager ops do (the H200
+# machine's CPU under torch 2.11, session 26); on the GPU it is what compiled GPU paths would need first
+stamp "the compiler check on cpu and $gpu"
+for dev in cpu "$gpu"; do
+  timeout 120 "$py" -W always -W ignore::DeprecationWarning -c "import sys; from veritrain import fused; print(sys.argv[1], 'compiled code rounds:',
+fused.compiled_code_rounds(sys.argv[1]))" "$dev" 2>&1 | grep -v '^  warnings.warn' | tail -3
+done | tee -a "$out/env.txt"
 
 gpt2=(gpt2-shakespeare --set "corpus=$shared/data/shakespeare.txt" --set "tokenizer=$shared/data/gpt2-tokenizer"
       --set n_layer=2 --set n_embd=128 --set n_head=4 --set max_chars=200000 --set lr=1e-3 --set schedule_steps=10)

@@ -410,6 +410,15 @@ def test_compiled_code_under_every_vector_isa_rounds_to_float32_and_back_again(t
     assert p.stdout.split()[-1] == "0", f"{variant}: {p.stdout.split()[-1]} of 4099 values not rounded"
 
 
+def test_the_compiler_check_where_its_comparison_cannot_run_answers_false(monkeypatch):
+    """fused.compiled_code_rounds(device) for another device (bench/gpu_check.sh asks it of the GPU): where the
+    check's code compiles but its comparison cannot run there (the meta device holds no values), the answer is
+    False with the fused kernels' warning, not an error."""
+    monkeypatch.setattr(fused.FusedKernels, "_warned", False)
+    with pytest.warns(UserWarning, match="fused kernels unavailable"):
+        assert fused.compiled_code_rounds("meta") is False
+
+
 def test_compiled_paths_are_off_where_the_compiled_code_does_not_round(monkeypatch):
     """The first compiled path asked for checks the process's compiled code against the eager rounding
     (fused.compiled_code_rounds). A compiler that returns float64 values unchanged through the rounding (as

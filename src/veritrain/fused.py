@@ -87,14 +87,16 @@ def compile_kernel(fn, fullgraph: bool = True):
     return torch.no_grad()(torch.compile(fn, dynamic=True, fullgraph=fullgraph))
 
 
-def compiled_code_rounds() -> bool:
-    """Whether this process's compiled code rounds float64 values to float32 as the eager ops do, by
+def compiled_code_rounds(device="cpu") -> bool:
+    """Whether this process's compiled code for ``device`` rounds float64 values to float32 as the eager ops do, by
     compiling the rounding and its way back to float64 and comparing on values of every kind (between grid
     points, at midpoints, subnormal, huge, infinite, NaN). The compiled paths take the compiled code as
     another correct float64 evaluation; a compiler that breaks that (AVX2 code built for an AVX-512 target
     skipped the rounding: ISA_TARGETS) would make an honest trainer's run fail its audit, or an auditor
     reject one. hardware.compiled_path asks once per process and, where this is False (or nothing
-    compiles), keeps the compiled paths off: the eager engine gives the same bits, slower."""
+    compiles), keeps the compiled paths off: the eager engine gives the same bits, slower. The compiled paths
+    run on CPUs only; ``device`` "cuda" asks the same of a GPU's compiled code (Triton), the first thing a GPU
+    path would need (bench/gpu_check.sh reports it)."""
     g = Grid(32)
     rounded = f"ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})"
     source = f"def round_trip(y):\n    return {rounded}.to(torch.float64)\n"
@@ -102,17 +104,18 @@ def compiled_code_rounds() -> bool:
         env = define(source, "<veritrain compiler check>", {"torch": torch, "ROUND": _round_to_grid})
         y = torch.cat([torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64) / 3.0,
                        torch.tensor([1.0 + 2.0 ** -24, 2.0 ** -140 * 1.3, 3.4e38, 1e300, -1e-300, math.inf, math.nan],
-                                    dtype=torch.float64)])
+                                    dtype=torch.float64)]).to(device)
         got = compile_kernel(env["round_trip"])(y)
+        want = y.to(torch.float32).to(torch.float64)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            warnings.warn(f"veritrain: this process's compiled code returned {got.dtype} {tuple(got.shape)} for a "
+                          f"rounding of {tuple(y.shape)} float64 values; compiled kernels are off (same results, "
+                          f"slower)")
+            return False
+        differ = (got.view(torch.int64) != want.view(torch.int64)).nonzero().flatten().tolist()
     except Exception as exc:
         FusedKernels.warn_once(None, exc)
         return False
-    want = y.to(torch.float32).to(torch.float64)
-    if got.shape != want.shape or got.dtype != want.dtype:
-        warnings.warn(f"veritrain: this process's compiled code returned {got.dtype} {tuple(got.shape)} for a "
-                      f"rounding of {tuple(y.shape)} float64 values; compiled kernels are off (same results, slower)")
-        return False
-    differ = (got.view(torch.int64) != want.view(torch.int64)).nonzero().flatten().tolist()
     if not differ:
         return True
     # which values, so that a machine seen once (a lent GPU machine's CPU) tells what its compiler does

@@ -14,11 +14,10 @@
 # Most important first (the three workloads across devices, then the GPU's step times, then plain float32
 # and the CUDA tests), each part under its own time limit, the summary rewritten after each workload, so a
 # run cut short still returns what it measured. OUT_DIR gets at most 8 files (what the device tool brings
-# back): log.txt is written by the caller; env.txt (and the compiler check on each device), summary.md (the
-# figures bench/RESULTS.md quotes),
-# audits.tar.gz (every train/audit JSON and error output), runs.tar.gz (the digits-cnn and ResNet runs
-# trained on either device, to audit on another machine), bench-resnet18.md and bench-gpt2-117m.md
-# (bench_engine.py on the GPU), pytest.txt.
+# back): log.txt is written by the caller; env.txt (with the compiler check on each device), summary.md
+# (the figures bench/RESULTS.md quotes), audits.tar.gz (every train/audit JSON and error output), runs.tar.gz
+# (the digits-cnn and ResNet runs trained on either device, to audit on another machine), bench-resnet18.md
+# and bench-gpt2-117m.md (bench_engine.py on the GPU), pytest.txt.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [SHARED_DIR] [GPU]}
 shared=${2:-../shared}

@@ -455,3 +455,21 @@ def test_compiled_paths_are_off_where_the_compiled_code_does_not_round(monkeypat
         y = torch.exp(x)
     assert not engine._FUSED_CACHE or not any(fk._cache for fk in engine._FUSED_CACHE.values())
     assert torch.equal(y, torch.exp(x.double()).float())
+
+
+def test_a_kernel_first_compiled_for_a_few_values_still_runs_its_loop_on_several_threads(monkeypatch):
+    """Compiled for every size, a kernel's C++ took whether to use several threads from its first call's size
+    and kept that for every later size (and the on-disk cache for every later process): a formula first
+    compiled for 640 values ran 25.7M-value calls on one thread. fused.COMPILE_OPTIONS leaves it to the
+    OpenMP runtime at each call."""
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import fresh_cache
+
+    codes = []
+    monkeypatch.setattr(GraphLowering, "save_output_code", codes.append)
+    source = "def kernel(x):\n    return x.to(torch.float64).exp().mul(0.5).to(torch.float32)\n"
+    kernel = fused.compile_kernel(fused.define(source, "<veritrain test: threads>", {"torch": torch})["kernel"])
+    with fresh_cache():  # compiled here, not loaded from another process's cache
+        kernel(torch.randn(640))
+    loops = [c for c in codes if "cpp_fused" in c]
+    assert loops and all("#pragma omp parallel" in c for c in loops)

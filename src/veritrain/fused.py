@@ -79,12 +79,21 @@ def define(source: str, filename: str, env: dict) -> dict:
     return env
 
 
+# Compiled for every size, a kernel's C++ took whether to run its loop on several threads from the size of
+# its first call (inductor's size hint), kept it for every later size, and the on-disk cache kept it for every
+# later process on the machine: a formula first compiled for a test's 640 values ran 25.7M-value calls on
+# one thread, at half the speed (docs/SPEED.md). With dynamic threads every loop is an OpenMP region and the
+# runtime picks the threads at each call. (The values are the same either way but for a sum's order, which
+# its error scale covers as any evaluation's.)
+COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
+
+
 def compile_kernel(fn, fullgraph: bool = True):
-    """``fn`` compiled for every size (torch.compile, dynamic shapes), always called with autograd off. The
-    engine calls its kernels from inside the dispatch mode, below autograd, where the grad mode is whatever
-    the caller's is (on in a forward, off in an optimizer step); torch.compile guards on it, so each kernel
-    compiled twice in a step. Its values do not depend on it."""
-    return torch.no_grad()(torch.compile(fn, dynamic=True, fullgraph=fullgraph))
+    """``fn`` compiled for every size (torch.compile, dynamic shapes; ``COMPILE_OPTIONS``), always called with
+    autograd off. The engine calls its kernels from inside the dispatch mode, below autograd, where the grad
+    mode is whatever the caller's is (on in a forward, off in an optimizer step); torch.compile guards on it,
+    so each kernel compiled twice in a step. Its values do not depend on it."""
+    return torch.no_grad()(torch.compile(fn, dynamic=True, fullgraph=fullgraph, options=COMPILE_OPTIONS))
 
 
 def compiled_code_rounds(device="cpu") -> bool:

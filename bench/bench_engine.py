@@ -101,6 +101,21 @@ def markdown(results: list, command: str, device: str = "cpu") -> str:
     return "\n".join(lines) + "\n"
 
 
+OWN_SECTIONS = ("## Per-step cost", "## Notes")
+
+
+def merged(old: str, ours: str) -> str:
+    """``ours`` in place of what this script wrote at the top of ``old`` (its title, its own sections), every
+    section after that kept as it was: the experiments' (bench/run_experiments.py), the profiles', the GPU
+    sessions'. (It had kept only what followed the experiments' marker, and so dropped the sections other
+    scripts had written between.)"""
+    lines = old.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("<!-- experiments:") or line.startswith("## ") and line.strip() not in OWN_SECTIONS:
+            return ours + "\n" + "\n".join(lines[i:])
+    return ours
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="gpt2-117m,resnet18", help=f"comma-separated: {', '.join(WORKLOADS)}")
@@ -127,12 +142,9 @@ def main(argv=None):
                     device)
     print(text)
     if not args.no_write:
-        # keep the experiments' section (bench/run_experiments.py) that follows ours
         old = open(args.out).read() if os.path.exists(args.out) else ""
-        marker = "<!-- experiments:"
-        keep = old[old.index(marker):] if marker in old else ""
         with open(args.out, "w") as f:
-            f.write(text + ("\n" + keep if keep else ""))
+            f.write(merged(old, text))
 
 
 if __name__ == "__main__":

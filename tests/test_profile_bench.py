@@ -144,3 +144,18 @@ def test_the_per_op_profile_times_the_same_ops_in_every_run():
     assert {c for c, t in r["trainer"][None].items() if t > 0} <= {"python", "log"}
     text = profile_engine.per_op_markdown({"digits": r}, "cmd", "machine", 3)
     assert text.count("| digits |") == 2 * (3 + 2) and text.count("**every op**") == 2
+
+
+def test_the_engine_bench_rewrites_its_own_sections_and_keeps_every_other():
+    """bench/bench_engine.py writes the top of bench/RESULTS.md; the sections other scripts wrote after it stay."""
+    import bench_engine
+
+    old = ("# Benchmarks\n\nCommand: `old`\n\n## Per-step cost\n\n| old row |\n\n## Notes\n\n- old note\n\n"
+           "## Residual freedom of a dishonest trainer (issue 8)\n\nkept 1\n\n## Notes\n\n- kept 2\n\n"
+           "<!-- experiments: written by bench/run_experiments.py -->\n\n## Experiments\n\nkept 3\n")
+    ours = "# Benchmarks\n\nCommand: `new`\n\n## Per-step cost\n\n| new row |\n\n## Notes\n\n- new note\n"
+    text = bench_engine.merged(old, ours)
+    assert text.startswith(ours)
+    assert "old row" not in text and "old note" not in text and "Command: `old`" not in text
+    assert all(f"kept {k}" in text for k in (1, 2, 3)) and text.count("## Residual freedom") == 1
+    assert bench_engine.merged("", ours) == ours and bench_engine.merged(ours, ours) == ours

@@ -11,13 +11,14 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 && timeout 540 bash bench/gpu_check.sh $OUT shared
 #   > $OUT/log.txt 2>&1
-# Most important first (the three workloads across devices, then the GPU's step times, then plain float32
-# and the CUDA tests), each part under its own time limit, the summary rewritten after each workload, so a
-# run cut short still returns what it measured. OUT_DIR gets at most 8 files (what the device tool brings
-# back): log.txt is written by the caller; env.txt (with the compiler check on each device), summary.md
-# (the figures bench/RESULTS.md quotes), audits.tar.gz (every train/audit JSON and error output), runs.tar.gz
-# (the digits-cnn and ResNet runs trained on either device, to audit on another machine), bench-resnet18.md
-# and bench-gpt2-117m.md (bench_engine.py on the GPU), pytest.txt.
+# Most important first (the compiler check and the compiled paths op by op, the three workloads across
+# devices, then the GPU's step times, then plain float32 and the CUDA tests), each part under its own time
+# limit, the summary rewritten after each workload, so a run cut short still returns what it measured.
+# OUT_DIR gets at most 8 files (what the device tool brings back): log.txt is written by the caller; env.txt
+# (the compiler check on each device, the compiled paths' table op by op), summary.md (the figures
+# bench/RESULTS.md quotes), audits.tar.gz (every train/audit JSON and error output), runs.tar.gz (the
+# digits-cnn and ResNet runs trained on either device, to audit on another machine), bench-resnet18.md and
+# bench-gpt2-117m.md (bench_engine.py on the GPU), pytest.txt.
 set -u
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [SHARED_DIR] [GPU]}
 shared=${2:-../shared}
@@ -52,6 +53,13 @@ for dev in cpu "$gpu"; do
   timeout 120 "$py" -W always -W ignore::DeprecationWarning -c "import sys; from veritrain import fused; print(sys.argv[1], 'compiled code rounds:',
 fused.compiled_code_rounds(sys.argv[1]))" "$dev" 2>&1 | grep -v '^  warnings.warn' | tail -3
 done | tee -a "$out/env.txt"
+
+# the compiled paths op by op on the GPU against its eager engine (bench/compiled_conformance.py), into env.txt:
+# which kernel left the CPU's bits when runs trained with the compiled paths on CUDA failed their CPU audits
+# (session 15), the first thing a compiled GPU path needs
+stamp "the compiled paths op by op on $gpu"
+timeout 120 "$py" bench/compiled_conformance.py --device "$gpu" --no-write 2>&1 | grep '^|\|conform\|^Machine\|check' \
+  | tee -a "$out/env.txt"
 
 gpt2=(gpt2-shakespeare --set "corpus=$shared/data/shakespeare.txt" --set "tokenizer=$shared/data/gpt2-tokenizer"
       --set n_layer=2 --set n_embd=128 --set n_head=4 --set max_chars=200000 --set lr=1e-3 --set schedule_steps=10)

@@ -159,3 +159,46 @@ def test_the_engine_bench_rewrites_its_own_sections_and_keeps_every_other():
     assert "old row" not in text and "old note" not in text and "Command: `old`" not in text
     assert all(f"kept {k}" in text for k in (1, 2, 3)) and text.count("## Residual freedom") == 1
     assert bench_engine.merged("", ours) == ours and bench_engine.merged(ours, ours) == ours
+
+
+def test_the_conformance_check_finds_the_cpus_compiled_paths_conform_op_by_op():
+    import torch
+
+    import compiled_conformance
+
+    rows = compiled_conformance.check(torch.device("cpu"), ["exp", "add, alpha", "sum over rows", "mm"])
+    assert [r["op"] for r in rows] == ["exp", "add, alpha", "sum over rows", "mm"]
+    assert compiled_conformance.conforms(rows), rows
+    assert all(r["entries"][1] > 0 for r in rows if r["op"] != "sum over rows")  # the logs compared hold decisions
+
+
+def test_the_conformance_check_reports_an_op_whose_compiled_run_differs(monkeypatch):
+    """A stand-in for a nonconforming kernel: an op whose result depends on whether the compiled paths are on."""
+    import torch
+
+    import compiled_conformance
+
+    def op(x, y, p):
+        return torch.exp(x + (2.0**-20 if os.environ.get("VERITRAIN_COMPILE") == "1" else 0.0))
+
+    monkeypatch.setattr(compiled_conformance, "OPS", {"exp, off on compiled runs": op})
+    rows = compiled_conformance.check(torch.device("cpu"))
+    (row,) = rows
+    assert row["differ"] > 0 and not row["same_log"] and not row["audit_ok"] and row["examples"].count("/") == 6
+    assert not compiled_conformance.conforms(rows)
+    assert "do not conform" in compiled_conformance.markdown(rows, "cmd", torch.device("cpu"))
+
+
+def test_the_conformance_check_lifts_the_cpu_only_rule_for_its_compiled_runs_alone(monkeypatch):
+    import compiled_conformance
+    from veritrain import blocked, fused, hardware, rounding
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")
+    cuda = __import__("torch").device("cuda")
+    assert not fused.compiled_path(1 << 20, cuda, "VERITRAIN_COMPILE_MIN_NUMEL", 1)
+    with compiled_conformance.compiled_paths(True, cuda):
+        assert all(m.compiled_path(1 << 20, cuda, "VERITRAIN_COMPILE_MIN_NUMEL", 1) for m in (fused, blocked, rounding))
+    assert all(m.compiled_path is hardware.compiled_path for m in (fused, blocked, rounding))
+    assert os.environ["VERITRAIN_COMPILE"] == "0"
+    with compiled_conformance.compiled_paths(False, cuda):
+        assert not fused.compiled_path(1 << 20, "cpu", "VERITRAIN_COMPILE_MIN_NUMEL", 1)

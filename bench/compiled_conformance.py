@@ -4,7 +4,7 @@
     python bench/compiled_conformance.py --no-write        # here: every row should say yes
 
 The library keeps its compiled paths (fused elementwise kernels, compiled sums, the round-and-scan epilogues;
-docs/SPEED.md) on CPUs: on an H200 a run trained with them on CUDA left the CPU's bits within two steps and
+captured composites; docs/SPEED.md) on CPUs: on an H200 a run trained with them on CUDA left the CPU's bits within two steps and
 failed its CPU audit, and which kernel did it was never isolated (bench/RESULTS.md, "GPU trainer, CPU
 auditor"). This script isolates it. Each op of ``OPS`` runs on the device under the trainer twice, with every
 compiled path forced on for every op (on any device, and whatever the compiler check says: its answer is
@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from veritrain import blocked, fused, hardware, rounding
+from veritrain import blocked, capture, fused, hardware, rounding
 from veritrain.engine import EngineConfig, step_context
 from veritrain.logformat import StepLogReader, StepLogWriter
 from veritrain.rounding import Grid
@@ -70,7 +70,33 @@ OPS = {
     "mean over columns": lambda x, y, p: x.view(256, -1).mean(0),
     "mm": lambda x, y, p: x.view(256, -1)[:, :256] @ y.view(-1, 256)[:256],
     "foreach addcdiv_": lambda x, y, p: _foreach(x, y, p),
+    # captured composites (capture.py), at the default thresholds: a region replays only where the trainer's
+    # function finds no candidate, which wide thresholds would never allow. Each is called twice in the step:
+    # the first call records the region, the second replays it
+    "softmax (region)": (lambda x, y, p: _twice(lambda: torch.softmax(x.view(256, -1), -1)), "default"),
+    "log-softmax (region)": (lambda x, y, p: _twice(lambda: torch.log_softmax(x.view(256, -1), -1)), "default"),
+    "layer norm (region)": (lambda x, y, p: _twice(lambda: torch.nn.functional.layer_norm(x.view(256, -1), (512,))),
+                            "default"),
+    "batch norm (region)": (lambda x, y, p: _twice(lambda: torch.nn.functional.batch_norm(
+        x.view(64, 8, 16, 16), None, None, training=True)), "default"),
 }
+CONFIGS = {"wide": WIDE, "default": EngineConfig()}
+
+
+def _op(name):
+    """(the op, the name of its engine configuration)."""
+    entry = OPS[name]
+    return entry if isinstance(entry, tuple) else (entry, "wide")
+
+
+def _twice(call):
+    call()
+    return call()
+
+
+def _replays() -> int:
+    """Captured regions replayed so far in this process."""
+    return sum(r.replays for r in list(capture._CACHE.values()) if isinstance(r, capture.Region))
 
 
 def _foreach(x, y, p):
@@ -87,23 +113,25 @@ def compiled_paths(on: bool, device: torch.device):
     otherwise leave the eager engine on both sides and every row vacuously the same."""
     saved = os.environ.get("VERITRAIN_COMPILE")
     os.environ["VERITRAIN_COMPILE"] = "1" if on else "0"
-    modules = (fused, blocked, rounding)
-    originals = [m.compiled_path for m in modules]
+    modules = (fused, blocked, rounding, capture)
+    originals = [m.compiled_path for m in modules], capture.replays_on
     if on:
         for m in modules:
             m.compiled_path = _always
+        capture.replays_on = _always
     try:
         yield
     finally:
-        for m, f in zip(modules, originals):
+        for m, f in zip(modules, originals[0]):
             m.compiled_path = f
+        capture.replays_on = originals[1]
         if saved is None:
             del os.environ["VERITRAIN_COMPILE"]
         else:
             os.environ["VERITRAIN_COMPILE"] = saved
 
 
-def _always(numel, device, variable, default) -> bool:
+def _always(*args) -> bool:
     return True
 
 
@@ -111,7 +139,7 @@ def _flat(out) -> list:
     return [t.detach().to("cpu") for t in (out if isinstance(out, (list, tuple)) else [out])]
 
 
-def run(op, device: torch.device, compiled: bool, log: str, reader: bool = False):
+def run(op, config, device: torch.device, compiled: bool, log: str, reader: bool = False):
     """(results on the CPU, entries, suspicious entries, veritrain's warnings) of ``op`` on fresh inputs, as the
     trainer (writing ``log``) or the auditor (reading it)."""
     g = torch.Generator().manual_seed(0)
@@ -119,11 +147,11 @@ def run(op, device: torch.device, compiled: bool, log: str, reader: bool = False
     with compiled_paths(compiled, device), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if reader:
-            with StepLogReader(log, expect_step=0, expect_bits=32) as r, step_context(WIDE, 0, reader=r) as mode:
+            with StepLogReader(log, expect_step=0, expect_bits=32) as r, step_context(config, 0, reader=r) as mode:
                 out = _flat(op(*inputs))
         else:
             w = StepLogWriter(log, 0, 32)
-            with step_context(WIDE, 0, writer=w) as mode:
+            with step_context(config, 0, writer=w) as mode:
                 out = _flat(op(*inputs))
             w.close()
     s = mode.stats
@@ -148,14 +176,18 @@ def _examples(op, got, want, device) -> str:
 def check(device: torch.device, names=None) -> list:
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        for name, op in OPS.items():
+        for name in OPS:
             if names and name not in names:
                 continue
+            op, config = _op(name)
             logs = {c: os.path.join(d, f"{name}-{c}.vtlog") for c in ("compiled", "eager")}
             try:
-                got, entries, _, warned = run(op, device, True, logs["compiled"])
-                want, eager_entries, _, _ = run(op, device, False, logs["eager"])
-                audited, _, suspicious, warned_audit = run(op, device, True, logs["eager"], reader=True)
+                replays = _replays()
+                got, entries, _, warned = run(op, CONFIGS[config], device, True, logs["compiled"])
+                want, eager_entries, _, _ = run(op, CONFIGS[config], device, False, logs["eager"])
+                audited, _, suspicious, warned_audit = run(op, CONFIGS[config], device, True, logs["eager"],
+                                                           reader=True)
+                replays = _replays() - replays
             except Exception as exc:  # a kernel that does not compile or run there: say so, go on
                 rows.append({"op": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
                 continue
@@ -164,7 +196,8 @@ def check(device: torch.device, names=None) -> list:
             same_log = open(logs["compiled"], "rb").read() == open(logs["eager"], "rb").read()
             audit_ok = suspicious == 0 and all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                                                for a, b in zip(audited, want))
-            rows.append({"op": name, "values": sum(t.numel() for t in want), "differ": differ, "same_log": same_log,
+            rows.append({"op": name, "config": config, "replays": replays,
+                         "values": sum(t.numel() for t in want), "differ": differ, "same_log": same_log,
                          "entries": (entries, eager_entries), "audit_ok": audit_ok, "suspicious": suspicious,
                          "warnings": sorted(set(warned + warned_audit)),
                          "examples": _examples(op, got, want, device) if differ else ""})
@@ -173,29 +206,34 @@ def check(device: torch.device, names=None) -> list:
 
 def conforms(rows) -> bool:
     return all("error" not in r and not r["differ"] and r["same_log"] and r["audit_ok"] and not r["warnings"]
-               for r in rows)
+               and (r["replays"] or "(region)" not in r["op"]) for r in rows)
 
 
 def markdown(rows, command: str, device: torch.device) -> str:
     lines = ["## Compiled paths, op by op (issue 12)", "", f"Command: `{command}`", "", f"Machine: {machine(str(device))}", "",
              "Written by `bench/compiled_conformance.py`: each op on 2^17 float32 values (the mm 256 x 256 x 256) "
-             "under the trainer with every compiled path forced on and with the eager engine, thresholds 2^25, and "
+             "under the trainer with every compiled path forced on and with the eager engine, thresholds 2^25 "
+             "(`wide`; captured regions at the `default` ones, each called twice so that the second call replays), and "
              "the eager trainer's log replayed by an auditor with the compiled paths on. `differ`: result values "
              "whose bits differ; `log`: the two logs byte for byte; entries: compiled / eager; examples: compiled / "
              "eager / float64 value; a warning from veritrain (a kernel that did not compile or run, its op left to the "
              "eager engine) counts as not conforming.", "",
              f"The compiler check (`fused.compiled_code_rounds('{device.type}')`): "
              f"{fused.compiled_code_rounds(device.type)}.", "",
-             "| op | values | differ | same log | entries | audit of the eager log | examples |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| op | thresholds | values | differ | same log | entries | audit of the eager log | regions replayed "
+             "| examples |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['op']} | | | | | | failed: {r['error'].replace('|', '/')} |")
+            lines.append(f"| {r['op']} | | | | | | | | failed: {r['error'].replace('|', '/')} |")
             continue
         audit = "accepted" if r["audit_ok"] else f"differs ({r['suspicious']} suspicious)"
-        notes = "; ".join([r["examples"]] * bool(r["examples"]) + [f"warned: {w}" for w in r["warnings"]])
-        lines.append(f"| {r['op']} | {r['values']} | {r['differ']} | {'yes' if r['same_log'] else 'no'} | "
-                     f"{r['entries'][0]} / {r['entries'][1]} | {audit} | {notes.replace('|', '/')} |")
+        notes = [r["examples"]] * bool(r["examples"]) + [f"warned: {w}" for w in r["warnings"]]
+        if "(region)" in r["op"] and not r["replays"]:
+            notes.append("not exercised: no region replayed")
+        lines.append(f"| {r['op']} | {r['config']} | {r['values']} | {r['differ']} | "
+                     f"{'yes' if r['same_log'] else 'no'} | {r['entries'][0]} / {r['entries'][1]} | {audit} | "
+                     f"{r['replays'] if '(region)' in r['op'] else ''} | {'; '.join(notes).replace('|', '/')} |")
     lines += ["", "Every op conforms." if conforms(rows) else "Some ops do not conform (rows above).", ""]
     return "\n".join(lines)
 
@@ -216,8 +254,8 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown ops: {', '.join(unknown)}; known: {', '.join(OPS)}")
     rows = check(device, names)
-    text = markdown(rows, "python bench/compiled_conformance.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    device)
+    command = " ".join(["python bench/compiled_conformance.py", *(argv if argv is not None else sys.argv[1:])])
+    text = markdown(rows, command, device)
     print(text)
     if not args.no_write:
         write_section(args.out, text)

@@ -106,7 +106,7 @@ def _foreach(x, y, p):
 
 
 @contextlib.contextmanager
-def compiled_paths(on: bool, device: torch.device):
+def compiled_paths(on: bool):
     """The compiled paths forced on (``on``) or off for what runs inside. On: the modules' ``compiled_path``
     answers yes for every op on every device, whatever the compiler check (fused.compiled_code_rounds) said,
     which the table reports apart: a check that fails (the H200 machine's CPU under torch 2.11) would
@@ -144,7 +144,7 @@ def run(op, config, device: torch.device, compiled: bool, log: str, reader: bool
     trainer (writing ``log``) or the auditor (reading it)."""
     g = torch.Generator().manual_seed(0)
     inputs = [t.to(device) for t in _inputs(g, N)]
-    with compiled_paths(compiled, device), warnings.catch_warnings(record=True) as caught:
+    with compiled_paths(compiled), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if reader:
             with StepLogReader(log, expect_step=0, expect_bits=32) as r, step_context(config, 0, reader=r) as mode:

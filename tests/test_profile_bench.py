@@ -193,14 +193,15 @@ def test_the_conformance_check_reports_an_op_whose_compiled_run_differs(monkeypa
 
 def test_the_conformance_check_lifts_the_cpu_only_rule_for_its_compiled_runs_alone(monkeypatch):
     import compiled_conformance
-    from veritrain import blocked, fused, hardware, rounding
+    from veritrain import blocked, capture, fused, hardware, rounding
 
     monkeypatch.setenv("VERITRAIN_COMPILE", "0")
-    cuda = __import__("torch").device("cuda")
-    assert not fused.compiled_path(1 << 20, cuda, "VERITRAIN_COMPILE_MIN_NUMEL", 1)
-    with compiled_conformance.compiled_paths(True, cuda):
-        assert all(m.compiled_path(1 << 20, cuda, "VERITRAIN_COMPILE_MIN_NUMEL", 1) for m in (fused, blocked, rounding))
-    assert all(m.compiled_path is hardware.compiled_path for m in (fused, blocked, rounding))
+    cuda, modules, replays_on = __import__("torch").device("cuda"), (fused, blocked, rounding, capture), capture.replays_on
+    assert not fused.compiled_path(1 << 20, cuda, "VERITRAIN_COMPILE_MIN_NUMEL", 1) and not replays_on(cuda)
+    with compiled_conformance.compiled_paths(True):
+        assert all(m.compiled_path(1 << 20, cuda, "VERITRAIN_COMPILE_MIN_NUMEL", 1) for m in modules)
+        assert capture.replays_on(cuda)
+    assert all(m.compiled_path is hardware.compiled_path for m in modules) and capture.replays_on is replays_on
     assert os.environ["VERITRAIN_COMPILE"] == "0"
-    with compiled_conformance.compiled_paths(False, cuda):
+    with compiled_conformance.compiled_paths(False):
         assert not fused.compiled_path(1 << 20, "cpu", "VERITRAIN_COMPILE_MIN_NUMEL", 1)

@@ -218,8 +218,8 @@ def markdown(rows, command: str, device: torch.device) -> str:
              "whose bits differ; `log`: the two logs byte for byte; entries: compiled / eager; examples: compiled / "
              "eager / float64 value; a warning from veritrain (a kernel that did not compile or run, its op left to the "
              "eager engine) counts as not conforming.", "",
-             f"The compiler check (`fused.compiled_code_rounds('{device.type}')`): "
-             f"{fused.compiled_code_rounds(device.type)}.", "",
+             f"The compiler check (`fused.compiled_code_rounds('{device}')`): {fused.compiled_code_rounds(str(device))}.",
+             "",
              "| op | thresholds | values | differ | same log | entries | audit of the eager log | regions replayed "
              "| examples |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

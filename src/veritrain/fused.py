@@ -79,12 +79,12 @@ def define(source: str, filename: str, env: dict) -> dict:
     return env
 
 
-# Compiled for every size, a kernel's C++ took whether to run its loop on several threads from the size of
-# its first call (inductor's size hint), kept it for every later size, and the on-disk cache kept it for every
-# later process on the machine: a formula first compiled for a test's 640 values ran 25.7M-value calls on
-# one thread, at half the speed (docs/SPEED.md). With dynamic threads every loop is an OpenMP region and the
-# runtime picks the threads at each call. (The values are the same either way but for a sum's order, which
-# its error scale covers as any evaluation's.)
+# Compiled for every size, a kernel's C++ took whether to run its loop on several threads from the size of its
+# first call (inductor's size hint), kept it for every later size, and the on-disk cache kept it for every
+# later process on the machine: a formula whose cached code had been compiled for 640 values ran 25.7M-value
+# calls on one thread, at half the speed (docs/SPEED.md). With dynamic threads every loop is an OpenMP region
+# and the runtime picks the threads at each call. (The values are the same either way but for a sum's order,
+# which its error scale covers as any evaluation's.)
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
 
 

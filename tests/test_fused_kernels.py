@@ -410,6 +410,61 @@ def test_compiled_code_under_every_vector_isa_rounds_to_float32_and_back_again(t
     assert p.stdout.split()[-1] == "0", f"{variant}: {p.stdout.split()[-1]} of 4099 values not rounded"
 
 
+# torch 2.11's inductor, in this torch: its joint-graph pattern pointless_convert without the guard 2.13 added
+# ("a narrower intermediate can be worth materializing before upcasting"), so that a float64 -> float32 -> float64
+# chain becomes one conversion, float64 to float64
+INDUCTOR_BEFORE_2_13 = """
+import sys, torch
+import torch._inductor.fx_passes.joint_graph as joint_graph
+def pointless_convert(match, arg, dtype1, dtype2):
+    graph, node = match.graph, match.output_node()
+    allowed = torch.float16, torch.bfloat16, torch.float32, torch.float64
+    if not isinstance(arg.meta.get("val", None), torch.Tensor) or arg.meta["val"].dtype not in allowed:
+        return
+    if dtype1 in allowed and dtype2 in allowed:
+        repl = graph.call_function(torch.ops.prims.convert_element_type.default, (arg, dtype2))
+        repl.meta.update(node.meta)
+        node.replace_all_uses_with(repl)
+        match.erase_nodes()
+joint_graph.pointless_convert.__code__ = pointless_convert.__code__  # the registered pattern calls this function
+
+y = torch.linspace(-3.0, 3.0, 4099, dtype=torch.float64) / 3.0
+dropped = torch.compile(lambda y: y.to(torch.float32).to(torch.float64), dynamic=True)(y)
+print("round trips dropped by plain torch.compile:", int((dropped == y).sum()))
+from veritrain import fused
+print("compiler check:", fused.compiled_code_rounds())
+sys.path.insert(0, sys.argv[1])
+import compiled_conformance
+for row in compiled_conformance.check(torch.device("cpu"), ["exp", "softmax (region)", "log-softmax (region)"]):
+    print(row["op"], "differ:", row.get("differ", row.get("error")), "same log:", row.get("same_log"))
+"""
+
+
+def test_the_kernels_keep_their_roundings_where_inductor_drops_float32_round_trips(tmp_path):
+    """Before torch 2.13 one of inductor's pattern passes rewrote x.to(float32).to(float64) as no conversion: on
+    the GPU machine (torch 2.11), on its CPU and its GPU, the compiler check got every value back unrounded and
+    a captured log-softmax left the eager bits. The kernels and regions compile without those passes
+    (fused.KEEP_ROUNDINGS); here that old pass is put back into this torch, and the compiler check passes and the
+    regions give the eager engine's bits and log."""
+    import os
+    import subprocess
+    import sys
+
+    from veritrain.hardware import KNOBS
+
+    env = {k: v for k, v in os.environ.items() if k not in KNOBS and not k.startswith("VERITRAIN_COMPILE")}
+    env.update(VERITRAIN_COMPILE_CACHE=str(tmp_path), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")  # compiled here
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    p = subprocess.run([sys.executable, "-c", INDUCTOR_BEFORE_2_13, bench], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "round trips dropped by plain torch.compile: 4099", p.stdout  # the old pass is in force
+    assert lines[1] == "compiler check: True", p.stdout + p.stderr[-2000:]
+    ops = ("exp", "softmax (region)", "log-softmax (region)")
+    assert lines[2:] == [f"{op} differ: 0 same log: True" for op in ops], p.stdout
+
+
 def test_the_compiler_check_where_its_comparison_cannot_run_answers_false(monkeypatch):
     """fused.compiled_code_rounds(device) for another device (bench/gpu_check.sh asks it of the GPU): where the
     check's code compiles but its comparison cannot run there (the meta device holds no values), the answer is

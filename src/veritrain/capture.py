@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from . import decompositions, hardware, rules
-from .fused import FusedKernels, _round_to_grid, define
+from .fused import KEEP_ROUNDINGS, FusedKernels, _round_to_grid, define
 from .hardware import compiled_path
 from .logformat import OpRecord, OutputEntries, QuietRun
 from .rounding import any_candidate as _any_candidate, kernel_flag
@@ -106,7 +106,8 @@ class Region:
                 self._python = self.function(for_python=True)
             return self._python
         if self._fn is None:
-            self._fn = torch.compile(self.function(for_python=False), dynamic=False, fullgraph=True)
+            self._fn = torch.compile(self.function(for_python=False), dynamic=False, fullgraph=True,
+                                     options=KEEP_ROUNDINGS)
         return self._fn
 
     def function(self, for_python: bool):

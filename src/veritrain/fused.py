@@ -3,8 +3,9 @@
 Computing an elementwise op in float64 with eager torch ops costs an upcast per input, the op, the error
 scale, the near-midpoint test and the rounding: about ten passes over memory, against one for the op.
 Here the same computation is generated as one small Python function per (op, argument structure) and
-compiled with torch.compile (C++/OpenMP; on CPUs only, hardware.compiled_path: Triton's kernels did not
-conform on a GPU), so it reads each float32 input once and writes the float32 result and a candidate mask.
+compiled with torch.compile (C++/OpenMP; on CPUs only, hardware.compiled_path: on a GPU under torch 2.11 two
+captured regions did not conform, KEEP_ROUNDINGS below), so it reads each float32 input once and writes the
+float32 result and a candidate mask.
 
 The compiled kernel is just another correct float64 implementation of the op (its libm and operation
 order may differ from ATen's, within the op's threshold). For the few candidates the trainer recomputes
@@ -85,7 +86,14 @@ def define(source: str, filename: str, env: dict) -> dict:
 # calls on one thread, at half the speed (docs/SPEED.md). With dynamic threads every loop is an OpenMP region
 # and the runtime picks the threads at each call. (The values are the same either way but for a sum's order,
 # which its error scale covers as any evaluation's.)
-COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
+# Inductor's pattern passes are off for our kernels: before torch 2.13 one of them (joint_graph.pointless_convert,
+# "remove chain of dtype conversions often created by AMP") rewrote a float64 -> float32 -> float64 round trip as
+# no conversion at all, so a kernel's rounded intermediate kept its float64 bits. Seen under torch 2.11 on the
+# GPU machine, on its CPU and its GPU alike: the compiler check got every value back unrounded, and the
+# log-softmax region left the eager bits (docs/SPEED.md, "The compiled path"). Under torch 2.13, which keeps
+# the narrower intermediate, the option changes none of our kernels' generated code.
+KEEP_ROUNDINGS = {"pattern_matcher": False}
+COMPILE_OPTIONS = {"cpp.dynamic_threads": True, **KEEP_ROUNDINGS}
 
 
 def compile_kernel(fn, fullgraph: bool = True):

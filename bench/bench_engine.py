@@ -4,6 +4,7 @@
     python bench/bench_engine.py                      # GPT-2 117M (batch 8 x 64) and ResNet-18 (batch 32)
     python bench/bench_engine.py --workloads resnet18 --steps 3 --no-write
     python bench/bench_engine.py --device cuda           # every mode on the GPU (default: cpu)
+    python bench/bench_engine.py --device cuda --force-compiled --no-write   # what compiled GPU paths would give
 
 The measurement is veritrain.experiments.timecost.measure (the `time` experiment's): every step index
 runs in every mode, in rotated order, the first step not counted; ratios are per-step, then the median.
@@ -13,6 +14,7 @@ Writes bench/RESULTS.md unless --no-write.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import sys
@@ -124,6 +126,10 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]", help="where every mode runs (default cpu)")
+    ap.add_argument("--force-compiled", action="store_true",
+                    help="the compiled paths on for every op, on any device, whatever the compiler check says "
+                         "(the library keeps them to CPUs): their speed on a GPU, before they are shown to conform "
+                         "there (bench/compiled_conformance.py)")
     args = ap.parse_args(argv)
     hardware.apply_process_settings()
     try:
@@ -134,10 +140,13 @@ def main(argv=None):
     for w in names:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
+    from compiled_conformance import compiled_paths  # here: it imports this module
+
     results = []
-    for w in names:
-        print(f"{w}:", flush=True)
-        results.append(bench(w, args.steps, args.shared, device))
+    with compiled_paths(True) if args.force_compiled else contextlib.nullcontext():
+        for w in names:
+            print(f"{w}:", flush=True)
+            results.append(bench(w, args.steps, args.shared, device))
     text = markdown(results, "python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     device)
     print(text)

@@ -205,3 +205,29 @@ def test_the_conformance_check_lifts_the_cpu_only_rule_for_its_compiled_runs_alo
     assert os.environ["VERITRAIN_COMPILE"] == "0"
     with compiled_conformance.compiled_paths(False):
         assert not fused.compiled_path(1 << 20, "cpu", "VERITRAIN_COMPILE_MIN_NUMEL", 1)
+
+
+def test_the_engine_bench_forces_the_compiled_paths_on_any_device_only_when_asked(monkeypatch, capsys):
+    """bench/bench_engine.py --force-compiled: its steps run with the compiled paths on for every op on any device
+    (what a GPU's step would cost with them, before they conform there); without it, the library's rule."""
+    import torch
+
+    import bench_engine
+    from veritrain import capture, fused
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")
+    monkeypatch.setattr(bench_engine, "WORKLOADS", {"digits": ("digits-cnn", lambda shared: {}, "digits-cnn")})
+    monkeypatch.setattr(bench_engine, "TARGETS", {"digits": (9.0, 9.0)})
+    seen, real = [], bench_engine.measure
+
+    def measure(*args, **kw):
+        cuda = torch.device("cuda")
+        seen.append(fused.compiled_path(1 << 20, cuda, "VERITRAIN_COMPILE_MIN_NUMEL", 1) and capture.replays_on(cuda))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bench_engine, "measure", measure)
+    for flags in (["--force-compiled"], []):
+        bench_engine.main(["--workloads", "digits", "--steps", "1", "--no-write", *flags])
+    assert seen == [True, False]
+    out = capsys.readouterr().out
+    assert "--force-compiled" in out and "| digits-cnn | 1 |" in out

@@ -231,3 +231,30 @@ def test_the_engine_bench_forces_the_compiled_paths_on_any_device_only_when_aske
     assert seen == [True, False]
     out = capsys.readouterr().out
     assert "--force-compiled" in out and "| digits-cnn | 1 |" in out
+
+
+def test_the_forced_command_line_runs_veritrain_with_the_compiled_paths_on_any_device(monkeypatch):
+    """bench/force_compiled.py (bench/gpu_check.sh trains and audits with it on a GPU): veritrain's command line,
+    its arguments passed on, its exit code returned, with every compiled path on for every device while it runs."""
+    import runpy
+
+    import pytest
+    import torch
+
+    from veritrain import capture, cli, fused, hardware
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")
+    seen = []
+
+    def main(argv):
+        cuda = torch.device("cuda")
+        seen.append((argv, fused.compiled_path(1 << 20, cuda, "VERITRAIN_COMPILE_MIN_NUMEL", 1)
+                     and capture.replays_on(cuda)))
+        return 3
+
+    monkeypatch.setattr(cli, "main", main)
+    monkeypatch.setattr(sys, "argv", ["bench/force_compiled.py", "audit", "runs/x", "--device", "cuda"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(os.path.join(REPO, "bench", "force_compiled.py"), run_name="__main__")
+    assert exited.value.code == 3 and seen == [(["audit", "runs/x", "--device", "cuda"], True)]
+    assert fused.compiled_path is hardware.compiled_path  # put back afterwards

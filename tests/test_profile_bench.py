@@ -258,3 +258,36 @@ def test_the_forced_command_line_runs_veritrain_with_the_compiled_paths_on_any_d
         runpy.run_path(os.path.join(REPO, "bench", "force_compiled.py"), run_name="__main__")
     assert exited.value.code == 3 and seen == [(["audit", "runs/x", "--device", "cuda"], True)]
     assert fused.compiled_path is hardware.compiled_path  # put back afterwards
+
+
+def test_the_stream_bench_follows_where_each_tensor_comes_from_and_what_changes_between_steps():
+    """bench/step_stream.py: on digits-cnn (AdamW) the trainer's top-level stream has the same structure every
+    step, Python reads values in it (the loss, AdamW's step counts), and AdamW's step sizes change from step to
+    step; its summary finds a step whose stream differs, and the recorder names which op made each tensor."""
+    import torch
+
+    import step_stream
+
+    r = step_stream.measure("digits-cnn", {}, 2, progress=None)
+    assert r["differs_at"] == [] and r["ops"][0] == r["ops"][1] > 50
+    assert r["sync_names"]["_local_scalar_dense"] >= 2 and r["segments"][0] >= 1
+    assert r["varying"].get("_foreach_addcdiv_", 0) > 0  # the step size: an input of a program, not a constant
+    assert "convolution.default" in r["to_lower"] and "view.default" not in r["to_lower"]
+
+    rec = step_stream.StreamRecorder()
+    x = torch.ones(3)
+    i = rec.before(torch.ops.aten.mul.Tensor, (x, 2.5), {})
+    y = x * 2.5
+    rec.after(i, y)
+    rec.before(torch.ops.aten.add.Tensor, (y, x), {})
+    (_, first, floats), (_, second, _) = rec.ops
+    assert first[0][2] == ("outside", 0) and floats == (2.5,)
+    assert second[0][2] == ("op", 0) and second[1][2] == ("outside", 0)  # x is the same tensor from outside
+
+    steps = [rec.ops, list(rec.ops)]
+    assert step_stream.summarize(steps)["differs_at"] == []
+    name, structure, floats = steps[1][1]
+    steps[1] = [steps[1][0], (name, (((4,), torch.float32, ("op", 0)),) + structure[1:], floats)]
+    assert step_stream.summarize(steps)["differs_at"] == [1]
+    steps[1] = [(steps[0][0][0], steps[0][0][1], (3.5,)), steps[0][1]]
+    assert step_stream.summarize(steps)["varying"] == {"mul": 1}

@@ -7,6 +7,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.normpath(os.path.join(REPO, "..", "shared", "data"))
+# the modules that warn when a compiled path falls back to the eager engine (fused.FusedKernels.warn_once,
+# fused.compiled_code_rounds, rounding._get_compiled)
+COMPILED_PATH_WARNINGS_ARE_ERRORS = "error::UserWarning:veritrain.fused,error::UserWarning:veritrain.rounding"
 
 
 def shared_file(*parts) -> str:
@@ -21,6 +24,8 @@ def cli(*args, env=None, check=None, timeout=900, cwd=None):
     e = dict(os.environ)
     e.pop("VERITRAIN_VARIANT_APPLIED", None)
     e.update(env or {})
+    # as in this process (pyproject.toml's filterwarnings): a compiled path's fallback warning is an error
+    e["PYTHONWARNINGS"] = ",".join(filter(None, [e.get("PYTHONWARNINGS"), COMPILED_PATH_WARNINGS_ARE_ERRORS]))
     p = subprocess.run([sys.executable, "-m", "veritrain.cli", *map(str, args)], capture_output=True, text=True,
                        env=e, timeout=timeout, cwd=cwd)
     if check is not None and p.returncode != check:

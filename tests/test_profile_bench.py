@@ -291,3 +291,64 @@ def test_the_stream_bench_follows_where_each_tensor_comes_from_and_what_changes_
     assert step_stream.summarize(steps)["differs_at"] == [1]
     steps[1] = [(steps[0][0][0], steps[0][0][1], (3.5,)), steps[0][1]]
     assert step_stream.summarize(steps)["varying"] == {"mul": 1}
+
+
+def _deferred_steps(compiled, steps=4):
+    """A small float64 model trained eagerly and under bench/deferred_step.py's Deferring, step for step."""
+    import torch
+
+    import deferred_step
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 3)).double()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=True)
+
+    def step(model, opt, x, y):
+        opt.zero_grad(set_to_none=True)
+        h = model[2](model[1](model[0](x)))
+        loss = torch.nn.functional.cross_entropy(model[3](h + (h * 2.0).relu_().t().t()), y)  # views, an in-place op
+        loss.backward()
+        opt.step()
+        return float(loss)  # a sync point
+
+    eager, deferred = make(), make()
+    mode = deferred_step.Deferring(compiled=compiled, rounded=compiled)
+    for k in range(steps):
+        g = torch.Generator().manual_seed(k)
+        batch = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (5,), generator=g)
+        a = step(*eager, *batch)
+        mode.start_step()
+        with mode:
+            b = step(*deferred, *batch)
+        mode.end_step()
+        yield a, b, eager[0], deferred[0], mode
+
+
+def test_the_deferred_step_gives_the_eager_steps_bits():
+    """bench/deferred_step.py's mechanics: with every op handed back unfilled and run at the sync points by the same
+    aten calls, the weights, BatchNorm's statistics and the loss are the eager step's, bit for bit, through
+    autograd's saved tensors and gradients, views and in-place ops; and the ops were deferred (from the second
+    step, once the optimizer has made its state, only the loss's read runs eagerly)."""
+    import torch
+
+    eager_ops = []
+    for k, (a, b, eager, deferred, mode) in enumerate(_deferred_steps(compiled=False)):
+        assert a == b, k
+        for (name, p), q in zip(eager.state_dict().items(), deferred.state_dict().values()):
+            assert torch.equal(p, q), (k, name)
+        eager_ops.append(mode.eager_ops)
+    assert eager_ops[-1] - eager_ops[-2] == eager_ops[-2] - eager_ops[-3] == 1, eager_ops  # the loss's read
+    assert mode.deferred_ops > 100, mode.deferred_ops
+
+
+def test_the_deferred_steps_compiled_programs_round_and_compile_once():
+    """bench/deferred_step.py's rounded run: its compiled programs leave the weights on the float32 grid, and a
+    later step runs the programs an earlier one compiled (no compile per step)."""
+    programs = []
+    for a, b, eager, deferred, mode in _deferred_steps(compiled=True, steps=5):
+        programs.append(len(mode.programs))
+        for p in deferred.parameters():
+            assert bool((p == p.float().double()).all())
+    assert programs[-1] == programs[-2] == programs[-3] and mode.deferred_ops > 100, programs

@@ -1,0 +1,382 @@
+"""The deferred route to one program per step, tried on the small models: the step's Python runs as it is, every
+op it issues is checked against the first step's stream and handed back as an unfilled buffer, and the ops run
+together, as one compiled program, where Python first reads a value (docs/SPEED.md, "Deferred, not skipped").
+
+    python bench/deferred_step.py                                 # resnet (default size), digits-cnn
+    python bench/deferred_step.py --workloads resnet --steps 6 --no-write
+
+Runs, alternating in one process, on the task's plain float64 model (as bench/step_graph_bound.py):
+
+* ``fp64``: the eager float64 step (the denominator);
+* ``deferred``: the same step with its ops deferred and run, at each sync point, by the same eager aten calls in
+  the same order: the deferral's mechanics; its weights must be ``fp64``'s, bit for bit, every step;
+* ``deferred, rounded``: deferred, each segment run as one program compiled by torch.compile, every result the
+  engine rounds (its rule exact or approximate, as step_graph_bound.py picks it) rounded to float32 and back
+  in the program: what an auditor's deferred step would cost where its log has no entry; its weights must lie on
+  the float32 grid.
+
+A cost measurement of the route, not a verified step: no error scales, scans, log or entries; random ops,
+sync points and any op that differs from the first step's stream run eagerly after the deferred ops before them.
+What the route would still need is docs/SPEED.md's. Writes the "Deferred steps" section of bench/RESULTS.md
+unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shlex
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from profile_engine import each_workload, write_section  # noqa: E402
+from step_stream import SYNC_OPS, _name  # noqa: E402
+from veritrain import rules  # noqa: E402
+from veritrain.engine import _flatten_call, _named  # noqa: E402
+from veritrain.rounding import Grid  # noqa: E402
+from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
+from veritrain.task import build  # noqa: E402
+
+aten = torch.ops.aten
+RUNS = ("fp64", "deferred", "deferred, rounded")
+
+
+def _rounds(func, args, kwargs) -> bool:
+    """Whether the engine rounds ``func``'s float results (its rule exact or approximate)."""
+    row = rules.RULES.get(rules.base_name(func))
+    rule = rules.lookup(func, _named(func, args, kwargs) if isinstance(row, rules.Choose) else None)
+    return rule is not rules.FALLBACK_RULE and rule.kind in (rules.EXACT, rules.APPROX)
+
+
+def _deferrable(func) -> bool:
+    """Random ops run eagerly, in the stream's order."""
+    return func.namespace == "aten" and _name(str(func)) not in SYNC_OPS \
+        and torch.Tag.nondeterministic_seeded not in func.tags
+
+
+@functools.lru_cache(maxsize=None)
+def _aliases(func) -> tuple:
+    """Per result of ``func``: "write" (the argument an in-place op writes), "view" (a view of an argument) or None."""
+    return tuple(None if r.alias_info is None else "write" if r.alias_info.is_write else "view"
+                 for r in func._schema.returns)
+
+
+class Segment:
+    """The deferred ops between two sync points as the source of one function, written as the ops come: its
+    inputs are the tensors from before the segment (parameters, the batch, tensors of earlier segments), its other
+    arguments constants, and at its end it fills the buffers handed back to Python that anything still holds
+    (through ``.data``: autograd has saved some of them, and a write through the tensor itself would count as an
+    in-place change of a saved value). Tensors are known by their
+    memory (storage, offset, shape, strides, dtype), not as Python objects: autograd hands a saved result back
+    as a new tensor object over the same memory. The segment holds the results' storages, not the tensors:
+    autograd takes over a gradient that no other tensor holds (AccumulateGrad, its input buffers) and copies one
+    that another does, so holding the tensors would change the stream it issues."""
+
+    def __init__(self):
+        self.inputs, self.ops, self.key = [], [], []
+        self.names = {}  # _memory(tensor) -> its name in the function
+        self.buffers = []  # (storage, offset, shape, strides, dtype, name) of the results handed back
+
+    def name_of(self, x) -> str:
+        key = _memory(x)
+        name = self.names.get(key)
+        if name is None:
+            name = self.names[key] = f"i{len(self.inputs)}"
+            self.inputs.append(x)
+        return name
+
+    def add(self, func, leaves, spec, args, kwargs, out, rounded: bool):
+        """Names the op's tensors and results; the function's source is written only for a stream not seen before
+        (``program``): a step that repeats one pays for the names and the key alone."""
+        j = len(self.key)
+        exprs = tuple(self.name_of(x) if isinstance(x, torch.Tensor) else x for x in leaves)
+        rounds = rounded and _rounds(func, args, kwargs)
+        written = tuple(self.name_of(t) for t in _written(func, args, kwargs) if t.dtype == torch.float64) \
+            if rounds else ()
+        results = []
+        aliases = _aliases(func) + (None,) * len(_as_tuple(out))
+        for m, o in enumerate(_as_tuple(out)):
+            if not isinstance(o, torch.Tensor) or aliases[m] == "write":
+                continue  # nothing, or an in-place op's result: the tensor it wrote, named already
+            value = f"r{j}" if not isinstance(out, (tuple, list)) else f"r{j}[{m}]"
+            rounded_value = rounds and o.dtype == torch.float64 and aliases[m] is None
+            name = f"v{j}_{m}" if rounded_value else value
+            results.append((value, name if rounded_value else None))
+            self.names[_memory(o)] = name
+            if aliases[m] is None:  # a view was taken of its buffer already
+                self.buffers.append((o.untyped_storage(), o.storage_offset(), tuple(o.shape), tuple(o.stride()),
+                                     o.dtype, name))
+        self.ops.append((func, exprs, spec, written, results))
+        self.key.append((func, tuple((e, x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else e
+                                     for e, x in zip(exprs, leaves))))
+
+    def program(self, known):
+        """(source or None where ``known`` holds the key, key, the buffers still held): the function fills those
+        at its end, after every in-place op."""
+        # a result whose storage only this segment holds is read by nothing after it: not filled
+        held = [(torch.empty(0, dtype=dtype).set_(st, offset, shape, stride), name)
+                for st, offset, shape, stride, dtype, name in self.buffers if torch._C._storage_Use_Count(st._cdata) > 1]
+        key = (tuple(self.key), tuple(name for _, name in held))
+        if key in known:
+            return None, None, key, [b for b, _ in held]
+        env, lines = {"ROUND": _round}, []
+        for j, (func, exprs, spec, written, results) in enumerate(self.ops):
+            env[f"F{j}"] = func
+            args = []
+            for k, e in enumerate(exprs):
+                if isinstance(e, str):
+                    args.append(e)
+                else:
+                    env[f"L{j}_{k}"] = e
+                    args.append(f"L{j}_{k}")
+            lines.append(f"    r{j} = F{j}({_render(spec, args)})")
+            lines += [f"    {w}.copy_(ROUND({w}))" for w in written]
+            lines += [f"    {name} = ROUND({value})" for value, name in results if name is not None]
+        params = [f"i{k}" for k in range(len(self.inputs))] + [f"b{k}" for k in range(len(held))]
+        tail = [f"    b{k}.copy_({name})" for k, (_, name) in enumerate(held)]
+        source = "\n".join([f"def program({', '.join(params)}):"] + lines + tail + ["    return None"])
+        return source, env, key, [b for b, _ in held]
+
+
+def _render(spec, exprs) -> str:
+    """The argument list of a call from ``_flatten_call``'s spec and an expression per leaf."""
+    if spec[0] != "call":
+        raise ValueError("nested arguments")
+    _, n_args, keys, shape = spec
+    values, i = [], 0
+    for entry in shape:
+        if entry is None:
+            values.append(exprs[i])
+            i += 1
+        else:
+            kind, n = entry
+            inner = ", ".join(exprs[i:i + n])
+            values.append(f"[{inner}]" if kind is list else f"({inner}{',' if n == 1 else ''})")
+            i += n
+    return ", ".join(values[:n_args] + [f"{k}={v}" for k, v in zip(keys, values[n_args:])])
+
+
+def _memory(x):
+    """What a tensor is to a segment: its memory and how it reads it."""
+    return x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype
+
+
+def _round(y):
+    return y.to(torch.float32).to(torch.float64)
+
+
+class Deferring(TorchDispatchMode):
+    """Records the first step's stream; in later steps hands back each matching op's buffers unfilled and runs the
+    deferred ops at each sync point (``compiled``: one program per segment, compiled; otherwise the same aten
+    calls, eagerly)."""
+
+    def __init__(self, compiled: bool, rounded: bool):
+        super().__init__()
+        self.compiled, self.rounded = compiled, rounded
+        self.stream = None  # the first step's (func, output metadata) per op
+        self.programs = {}
+        self.step_ops = []
+        self.segment = Segment()
+        self.eager_ops = 0  # after the first step: ops run eagerly (sync points, random ops, changed floats)
+        self.deferred_ops = 0
+
+    def start_step(self):
+        self.step_ops, self.segment, self.index, self.diverged = [], Segment(), 0, self.stream is None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.diverged and (self.index >= len(self.stream) or self.stream[self.index][0] is not func):
+            self.diverged = True  # the rest of this step runs eagerly; its stream is the next step's recording
+        if func.namespace == "profiler":  # record_function's markers (zero_grad, optimizer.step): no values read
+            out = func(*args, **kwargs)
+            self.step_ops.append((func, None, ()))
+            self.index += 1
+            return out
+        leaves, spec = _flatten_call(args, kwargs)
+        floats = tuple(x for x in leaves if type(x) is float)
+        # an op whose float arguments changed since the last step (AdamW's step sizes) runs eagerly: a program takes
+        # its floats as constants (torch.compile specializes an aten op's scalar arguments: each step would compile
+        # again); one that takes them as inputs needs them as tensors (fused.FusedKernels does so)
+        if self.diverged or not _deferrable(func) or floats != self.stream[self.index][2]:
+            self.flush()
+            out = self._eager(func, args, kwargs)
+            self.step_ops.append((func, _meta(out), floats))
+            self.index += 1
+            self.eager_ops += self.stream is not None
+            return out
+        meta = self.stream[self.index][1]
+        self.step_ops.append((func, meta, floats))
+        self.index += 1
+        self.deferred_ops += 1
+        outs = []
+        aliases = _aliases(func)
+        for m, md in enumerate(meta):
+            if md is None:
+                outs.append(None)
+            elif m < len(aliases) and aliases[m] is not None:
+                outs.append(_alias(func, m, args, kwargs))
+            else:
+                shape, stride, dtype = md
+                outs.append(torch.empty_strided(shape, stride, dtype=dtype))
+        out = None if not aliases else outs[0] if len(aliases) == 1 and len(outs) == 1 else tuple(outs)
+        self.segment.add(func, leaves, spec, args, kwargs, out, self.rounded)
+        return out
+
+    def _eager(self, func, args, kwargs):
+        """``func`` run now; in a rounded run, its results rounded as the engine rounds them (in place where the
+        op wrote its argument)."""
+        out = func(*args, **kwargs)
+        if self.rounded and _rounds(func, args, kwargs):
+            for o in list(_as_tuple(out)) + _written(func, args, kwargs):
+                if isinstance(o, torch.Tensor) and o.dtype == torch.float64:
+                    o.data.copy_(_round(o.data))
+        return out
+
+    def end_step(self):
+        self.flush()
+        if self.diverged:  # the first step, or one whose stream differed (the optimizer's first step makes its state)
+            self.stream = self.step_ops
+        self.step_ops = None
+
+    def flush(self):
+        seg = self.segment
+        if not seg.key:
+            return
+        self.segment = Segment()
+        source, env, key, buffers = seg.program(self.programs)
+        program = self.programs.get(key)
+        if program is None:
+            ns = dict(env)
+            exec(compile(source, f"<deferred segment {len(self.programs)}>", "exec"), ns)
+            program = ns["program"]
+            if self.compiled:
+                program = torch.compile(program, dynamic=False, fullgraph=True)
+            self.programs[key] = program
+        with torch.no_grad():
+            program(*[x.data for x in seg.inputs], *[b.data for b in buffers])
+
+
+def _as_tuple(x):
+    return x if isinstance(x, (tuple, list)) else (x,)
+
+
+def _meta(out):
+    return [(tuple(o.shape), tuple(o.stride()), o.dtype) if isinstance(o, torch.Tensor) else None
+            for o in _as_tuple(out)]
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors ``func`` writes in place (its arguments marked as written in its schema)."""
+    if not func._schema.is_mutable:
+        return []
+    named = _named(func, args, kwargs)
+    out = []
+    for a in func._schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = named.get(a.name)
+            out += list(v) if isinstance(v, (list, tuple)) else [v]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def _alias(func, m, args, kwargs):
+    """The tensor an aliasing result is: the argument an in-place op writes, or a view taken now (it reads no
+    values) of the buffer it views."""
+    alias = func._schema.returns[m].alias_info
+    if alias.is_write:
+        named = _named(func, args, kwargs)
+        for a in func._schema.arguments:
+            if a.alias_info is not None and a.alias_info.before_set == alias.before_set:
+                return named[a.name]
+    return func(*args, **kwargs)
+
+
+def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
+    grid = Grid(32)
+    tasks, modes = {}, {"deferred": Deferring(False, False), "deferred, rounded": Deferring(True, True)}
+    for name in RUNS:
+        task = build(task_ref, config)
+        _prepare_model(task, "fp64", grid)
+        tasks[name] = task
+    times = {r: [] for r in RUNS}
+    warm = 3  # the first step records the stream, the second compiles the programs
+    for step in range(steps + warm):
+        order = RUNS[step % len(RUNS):] + RUNS[:step % len(RUNS)]
+        for name in order:
+            batch = _prepare_batch(tasks[name].batch(step), "fp64", grid)
+            mode = modes.get(name)
+            torch.manual_seed(step)  # dropout's masks from torch's generator: the same in every run of a step
+            t0 = time.perf_counter()
+            if mode is None:
+                tasks[name].run_step(batch)
+            else:
+                mode.start_step()
+                with mode:
+                    tasks[name].run_step(batch)
+                mode.end_step()
+            elapsed = time.perf_counter() - t0
+            if step >= warm:
+                times[name].append(elapsed)
+        plain = [p for p in tasks["fp64"].model.parameters()]
+        deferred = [p for p in tasks["deferred"].model.parameters()]
+        if any(not torch.equal(a, b) for a, b in zip(plain, deferred)):
+            raise RuntimeError(f"step {step}: the deferred step's weights differ from the eager step's")
+        off = [n for n, p in tasks["deferred, rounded"].model.named_parameters() if not bool((p == p.float().double()).all())]
+        if off:
+            raise RuntimeError(f"step {step}: the rounded deferred step's weights are off the float32 grid: {off[:4]}")
+        if step >= warm and progress:
+            progress("  step %d: %s" % (step, ", ".join(f"{r} {times[r][-1] * 1000:.1f} ms" for r in RUNS)))
+    fp64 = times["fp64"]
+    return {"median_ms": {r: statistics.median(t) * 1000 for r, t in times.items()},
+            "over_fp64": {r: statistics.median(t / f for t, f in zip(times[r], fp64)) for r in RUNS},
+            "eager_ops": {name: m.eager_ops for name, m in modes.items()},
+            "programs": len(modes["deferred, rounded"].programs)}
+
+
+def markdown(results: dict, descriptions: dict, command: str, machine: str) -> str:
+    lines = ["## Deferred steps (issue 12: the route to one program per step, tried)", "", f"Command: `{command}`",
+             "", f"Machine: {machine}", "",
+             "Written by `bench/deferred_step.py` (its docstring defines each run). Each step index ran every run "
+             "once, in rotated order, in one process; ratios are medians of same-step ratios to the eager plain "
+             "float64 step. `deferred` gave the eager step's weights bit for bit in every step; `deferred, rounded` "
+             "gave weights on the float32 grid in every step.", "",
+             "| workload | fp64 (eager) | deferred (eager aten calls) | deferred, rounded (compiled programs) "
+             "| programs | ops run eagerly (all steps) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
+        o = r["over_fp64"]
+        lines.append(f"| {name} | 1.00x ({r['median_ms']['fp64']:.3g} ms) | {o['deferred']:.2f}x | "
+                     f"{o['deferred, rounded']:.2f}x | {r['programs']} | {r['eager_ops']['deferred, rounded']} |")
+    lines += ["", "Workloads: " + "; ".join(f"{k}: {v}" for k, v in descriptions.items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="resnet,digits")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    from bench_engine import machine
+    from veritrain import hardware
+
+    os.environ["VERITRAIN_COMPILE"] = "0"
+    hardware.apply_process_settings()
+    results, descriptions = each_workload(ap, args.workloads, args.shared, measure, args.steps)
+    text = markdown(results, descriptions, shlex.join(["python", "bench/deferred_step.py", *(argv or sys.argv[1:])]),
+                    machine())
+    print(text)
+    if not args.no_write:
+        write_section(os.path.join(HERE, "RESULTS.md"), text)
+
+
+if __name__ == "__main__":
+    main()

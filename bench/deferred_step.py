@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from profile_engine import each_workload, write_section  # noqa: E402
 from step_stream import SYNC_OPS, _name  # noqa: E402
 from veritrain import rules  # noqa: E402
+from veritrain.capture import argument_source  # noqa: E402
 from veritrain.engine import _flatten_call, _named  # noqa: E402
 from veritrain.rounding import Grid  # noqa: E402
 from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
@@ -137,31 +138,13 @@ class Segment:
                 else:
                     env[f"L{j}_{k}"] = e
                     args.append(f"L{j}_{k}")
-            lines.append(f"    r{j} = F{j}({_render(spec, args)})")
+            lines.append(f"    r{j} = F{j}({argument_source(spec, args)})")
             lines += [f"    {w}.copy_(ROUND({w}))" for w in written]
             lines += [f"    {name} = ROUND({value})" for value, name in results if name is not None]
         params = [f"i{k}" for k in range(len(self.inputs))] + [f"b{k}" for k in range(len(held))]
         tail = [f"    b{k}.copy_({name})" for k, (_, name) in enumerate(held)]
         source = "\n".join([f"def program({', '.join(params)}):"] + lines + tail + ["    return None"])
         return source, env, key, [b for b, _ in held]
-
-
-def _render(spec, exprs) -> str:
-    """The argument list of a call from ``_flatten_call``'s spec and an expression per leaf."""
-    if spec[0] != "call":
-        raise ValueError("nested arguments")
-    _, n_args, keys, shape = spec
-    values, i = [], 0
-    for entry in shape:
-        if entry is None:
-            values.append(exprs[i])
-            i += 1
-        else:
-            kind, n = entry
-            inner = ", ".join(exprs[i:i + n])
-            values.append(f"[{inner}]" if kind is list else f"({inner}{',' if n == 1 else ''})")
-            i += n
-    return ", ".join(values[:n_args] + [f"{k}={v}" for k, v in zip(keys, values[n_args:])])
 
 
 def _memory(x):
@@ -205,7 +188,7 @@ class Deferring(TorchDispatchMode):
         # an op whose float arguments changed since the last step (AdamW's step sizes) runs eagerly: a program takes
         # its floats as constants (torch.compile specializes an aten op's scalar arguments: each step would compile
         # again); one that takes them as inputs needs them as tensors (fused.FusedKernels does so)
-        if self.diverged or not _deferrable(func) or floats != self.stream[self.index][2]:
+        if self.diverged or not _deferrable(func) or spec[0] != "call" or floats != self.stream[self.index][2]:
             self.flush()
             out = self._eager(func, args, kwargs)
             self.step_ops.append((func, _meta(out), floats))

@@ -504,6 +504,12 @@ def _render(func, leaves, spec, names, env, j, upcast):
         else:
             env[f"K{j}_{i}"] = x
             exprs.append(f"K{j}_{i}")
+    return f"F{j}({argument_source(spec, exprs)})"
+
+
+def argument_source(spec, exprs) -> str:
+    """The argument list of an op call, as source: engine._flatten_call's ``spec`` ("call" form) with an expression
+    for each leaf."""
     _, n_args, keys, shape = spec
     values, i = [], 0
     for entry in shape:
@@ -515,8 +521,7 @@ def _render(func, leaves, spec, names, env, j, upcast):
             inner = ", ".join(exprs[i:i + n])
             values.append(f"[{inner}]" if kind is list else f"({inner}{',' if n == 1 else ''})")
             i += n
-    parts = values[:n_args] + [f"{k}={v}" for k, v in zip(keys, values[n_args:])]
-    return f"F{j}({', '.join(parts)})"
+    return ", ".join(values[:n_args] + [f"{k}={v}" for k, v in zip(keys, values[n_args:])])
 
 
 def _targets(results):

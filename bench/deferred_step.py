@@ -52,9 +52,15 @@ RUNS = ("fp64", "deferred", "deferred, rounded")
 
 def _rounds(func, args, kwargs) -> bool:
     """Whether the engine rounds ``func``'s float results (its rule exact or approximate)."""
-    row = rules.RULES.get(rules.base_name(func))
-    rule = rules.lookup(func, _named(func, args, kwargs) if isinstance(row, rules.Choose) else None)
+    fixed = _fixed_rule(func)
+    rule = fixed if fixed is not None else rules.lookup(func, _named(func, args, kwargs))
     return rule is not rules.FALLBACK_RULE and rule.kind in (rules.EXACT, rules.APPROX)
+
+
+@functools.lru_cache(maxsize=None)
+def _fixed_rule(func):
+    """``func``'s rule where it does not depend on the arguments (a row that is not a rules.Choose), else None."""
+    return None if isinstance(rules.RULES.get(rules.base_name(func)), rules.Choose) else rules.lookup(func, None)
 
 
 def _deferrable(func) -> bool:
@@ -94,11 +100,23 @@ class Segment:
             self.inputs.append(x)
         return name
 
+    def _leaf(self, x):
+        """A tensor's name and how it reads its memory (its part of the key); any other argument as itself."""
+        if not isinstance(x, torch.Tensor):
+            return x, x
+        key = _memory(x)
+        name = self.names.get(key)
+        if name is None:
+            name = self.names[key] = f"i{len(self.inputs)}"
+            self.inputs.append(x)
+        return name, (name,) + key[1:]
+
     def add(self, func, leaves, spec, args, kwargs, out, rounded: bool):
         """Names the op's tensors and results; the function's source is written only for a stream not seen before
         (``program``): a step that repeats one pays for the names and the key alone."""
         j = len(self.key)
-        exprs = tuple(self.name_of(x) if isinstance(x, torch.Tensor) else x for x in leaves)
+        named = [self._leaf(x) for x in leaves]
+        exprs = tuple(e for e, _ in named)
         rounds = rounded and _rounds(func, args, kwargs)
         written = tuple(self.name_of(t) for t in _written(func, args, kwargs) if t.dtype == torch.float64) \
             if rounds else ()
@@ -116,8 +134,7 @@ class Segment:
                 self.buffers.append((o.untyped_storage(), o.storage_offset(), tuple(o.shape), tuple(o.stride()),
                                      o.dtype, name))
         self.ops.append((func, exprs, spec, written, results))
-        self.key.append((func, tuple((e, x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else e
-                                     for e, x in zip(exprs, leaves))))
+        self.key.append((func, tuple(k for _, k in named)))
 
     def program(self, known):
         """(source or None where ``known`` holds the key, key, the buffers still held): the function fills those
@@ -148,8 +165,9 @@ class Segment:
 
 
 def _memory(x):
-    """What a tensor is to a segment: its memory and how it reads it."""
-    return x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype
+    """What a tensor is to a segment: where its memory starts and how it reads it (two tensors alike in all four
+    read the same values; the segment holds every storage it names, so no address is reused meanwhile)."""
+    return x.data_ptr(), x.shape, x.stride(), x.dtype
 
 
 def _round(y):
@@ -170,12 +188,19 @@ class Deferring(TorchDispatchMode):
         self.segment = Segment()
         self.eager_ops = 0  # after the first step: ops run eagerly (sync points, random ops, changed floats)
         self.deferred_ops = 0
+        self.program_s = self.own_s = 0.0  # seconds in the programs (their compiles too), in the mode's own work
 
     def start_step(self):
         self.step_ops, self.segment, self.index, self.diverged = [], Segment(), 0, self.stream is None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        t0, before = time.perf_counter(), self.program_s
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        finally:  # the mode's own time: its bookkeeping and the ops it runs eagerly, not the programs it calls
+            self.own_s += time.perf_counter() - t0 - (self.program_s - before)
+
+    def _dispatch(self, func, args, kwargs):
         if not self.diverged and (self.index >= len(self.stream) or self.stream[self.index][0] is not func):
             self.diverged = True  # the rest of this step runs eagerly; its stream is the next step's recording
         if func.namespace == "profiler":  # record_function's markers (zero_grad, optimizer.step): no values read
@@ -243,8 +268,10 @@ class Deferring(TorchDispatchMode):
             if self.compiled:
                 program = torch.compile(program, dynamic=False, fullgraph=True)
             self.programs[key] = program
+        t0 = time.perf_counter()
         with torch.no_grad():
             program(*[x.data for x in seg.inputs], *[b.data for b in buffers])
+        self.program_s += time.perf_counter() - t0
 
 
 def _as_tuple(x):
@@ -289,12 +316,14 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
         _prepare_model(task, "fp64", grid)
         tasks[name] = task
     times = {r: [] for r in RUNS}
+    split = {"programs": [], "mode": []}  # the rounded run's step: in its programs, in the mode's own work
     warm = 3  # the first step records the stream, the second compiles the programs
     for step in range(steps + warm):
         order = RUNS[step % len(RUNS):] + RUNS[:step % len(RUNS)]
         for name in order:
             batch = _prepare_batch(tasks[name].batch(step), "fp64", grid)
             mode = modes.get(name)
+            marks = (mode.program_s, mode.own_s) if mode is not None else None
             torch.manual_seed(step)  # dropout's masks from torch's generator: the same in every run of a step
             t0 = time.perf_counter()
             if mode is None:
@@ -307,6 +336,9 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
             elapsed = time.perf_counter() - t0
             if step >= warm:
                 times[name].append(elapsed)
+                if name == "deferred, rounded":
+                    split["programs"].append(mode.program_s - marks[0])
+                    split["mode"].append(mode.own_s - marks[1])
         plain = [p for p in tasks["fp64"].model.parameters()]
         deferred = [p for p in tasks["deferred"].model.parameters()]
         if any(not torch.equal(a, b) for a, b in zip(plain, deferred)):
@@ -319,6 +351,7 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
     fp64 = times["fp64"]
     return {"median_ms": {r: statistics.median(t) * 1000 for r, t in times.items()},
             "over_fp64": {r: statistics.median(t / f for t, f in zip(times[r], fp64)) for r in RUNS},
+            "split": {k: statistics.median(t / f for t, f in zip(v, fp64)) for k, v in split.items()},
             "eager_ops": {name: m.eager_ops for name, m in modes.items()},
             "programs": len(modes["deferred, rounded"].programs)}
 
@@ -329,14 +362,17 @@ def markdown(results: dict, descriptions: dict, command: str, machine: str) -> s
              "Written by `bench/deferred_step.py` (its docstring defines each run). Each step index ran every run "
              "once, in rotated order, in one process; ratios are medians of same-step ratios to the eager plain "
              "float64 step. `deferred` gave the eager step's weights bit for bit in every step; `deferred, rounded` "
-             "gave weights on the float32 grid in every step.", "",
+             "gave weights on the float32 grid in every step. Its step split (medians, in plain float64 steps): the "
+             "time in its compiled programs, and the dispatch mode's own time (its bookkeeping per op and the ops it "
+             "runs eagerly); the rest is the step's Python, autograd and the optimizer.", "",
              "| workload | fp64 (eager) | deferred (eager aten calls) | deferred, rounded (compiled programs) "
-             "| programs | ops run eagerly (all steps) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| of which in its programs | in the mode's own work | programs | ops run eagerly (all steps) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         o = r["over_fp64"]
         lines.append(f"| {name} | 1.00x ({r['median_ms']['fp64']:.3g} ms) | {o['deferred']:.2f}x | "
-                     f"{o['deferred, rounded']:.2f}x | {r['programs']} | {r['eager_ops']['deferred, rounded']} |")
+                     f"{o['deferred, rounded']:.2f}x | {r['split']['programs']:.2f} | {r['split']['mode']:.2f} "
+                     f"| {r['programs']} | {r['eager_ops']['deferred, rounded']} |")
     lines += ["", "Workloads: " + "; ".join(f"{k}: {v}" for k, v in descriptions.items()) + ".", ""]
     return "\n".join(lines)
 

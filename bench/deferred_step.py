@@ -23,10 +23,8 @@ unless --no-write.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -37,7 +35,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from profile_engine import each_workload, write_section  # noqa: E402
+from profile_engine import workload_bench  # noqa: E402
 from step_stream import SYNC_OPS, _name  # noqa: E402
 from veritrain import rules  # noqa: E402
 from veritrain.capture import argument_source  # noqa: E402
@@ -378,23 +376,11 @@ def markdown(results: dict, descriptions: dict, command: str, machine: str) -> s
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="resnet,digits")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
-    from bench_engine import machine
     from veritrain import hardware
 
-    os.environ["VERITRAIN_COMPILE"] = "0"
+    os.environ["VERITRAIN_COMPILE"] = "0"  # the rules' helpers as eager ops (as bench/step_graph_bound.py)
     hardware.apply_process_settings()
-    results, descriptions = each_workload(ap, args.workloads, args.shared, measure, args.steps)
-    text = markdown(results, descriptions, shlex.join(["python", "bench/deferred_step.py", *(argv or sys.argv[1:])]),
-                    machine())
-    print(text)
-    if not args.no_write:
-        write_section(os.path.join(HERE, "RESULTS.md"), text)
+    workload_bench("deferred_step.py", __doc__.splitlines()[0], "resnet,digits", 8, measure, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -408,6 +408,26 @@ def each_workload(ap, names: str, shared: str, measure, steps: int):
     return results, descriptions
 
 
+def workload_bench(script: str, description: str, workloads: str, steps: int, measure, markdown, argv=None):
+    """The command line the workload benches share (--workloads, --steps, --shared, --no-write): ``measure`` on
+    each workload, then ``markdown(results, descriptions, command, machine)`` printed and written into
+    bench/RESULTS.md as its section unless --no-write."""
+    from bench_engine import machine
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--workloads", default=workloads)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    results, descriptions = each_workload(ap, args.workloads, args.shared, measure, args.steps)
+    command = shlex.join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
+    text = markdown(results, descriptions, command, machine())
+    print(text)
+    if not args.no_write:
+        write_section(os.path.join(HERE, "RESULTS.md"), text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="gpt2,resnet,digits")

@@ -30,10 +30,8 @@ bench/RESULTS.md unless --no-write.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
-import shlex
 import sys
 import tempfile
 
@@ -42,8 +40,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from bench_engine import machine  # noqa: E402
-from profile_engine import each_workload, write_section  # noqa: E402
+from profile_engine import workload_bench  # noqa: E402
 from veritrain import engine, rules  # noqa: E402
 from veritrain.engine import EngineConfig, logged_step  # noqa: E402
 from veritrain.logformat import StepLogWriter  # noqa: E402
@@ -218,18 +215,7 @@ def markdown(results: dict, descriptions: dict, command: str, machine: str) -> s
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", default="gpt2,resnet,digits")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
-    results, descriptions = each_workload(ap, args.workloads, args.shared, measure, args.steps)
-    text = markdown(results, descriptions, shlex.join(["python", "bench/step_stream.py", *(argv or sys.argv[1:])]),
-                    machine())
-    print(text)
-    if not args.no_write:
-        write_section(os.path.join(HERE, "RESULTS.md"), text)
+    workload_bench("step_stream.py", __doc__.split("\n")[0], "gpt2,resnet,digits", 3, measure, markdown, argv)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 optimizer's step size does every step: one compiled kernel serves every value (the scalars are its arguments),
 and its results and log are the eager engine's for each value."""
 
+import os
 import re
 
 import pytest
@@ -528,3 +529,25 @@ def test_a_kernel_first_compiled_for_a_few_values_still_runs_its_loop_on_several
         kernel(torch.randn(640))
     loops = [c for c in codes if "cpp_fused" in c]
     assert loops and all("#pragma omp parallel" in c for c in loops)
+
+
+def test_a_compiled_paths_fallback_warning_fails_the_tests_here_and_in_the_processes_they_start(monkeypatch):
+    """The suite's settings (pyproject.toml's filterwarnings, conftest.cli's PYTHONWARNINGS): the warning a compiled
+    path gives when it falls back to the eager engine is an error, so a test of a compiled path cannot pass on the
+    eager engine unnoticed; other warnings are not."""
+    import subprocess
+    import sys
+    import warnings
+
+    from conftest import COMPILED_PATH_WARNINGS_ARE_ERRORS
+
+    monkeypatch.setattr(fused.FusedKernels, "_warned", False)
+    with pytest.raises(UserWarning, match="fused kernels unavailable"):
+        fused.FusedKernels.warn_once(None, RuntimeError("a kernel that does not compile"))
+    with pytest.warns(UserWarning, match="something else"):
+        warnings.warn("veritrain: something else")
+    code = "from veritrain import fused; fused.FusedKernels.warn_once(None, RuntimeError('no compiler'))"
+    for errors, rc in ((COMPILED_PATH_WARNINGS_ARE_ERRORS, 1), ("", 0)):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONWARNINGS": errors})
+        assert p.returncode == rc and "fused kernels unavailable" in p.stderr, p.stderr[-2000:]

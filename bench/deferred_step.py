@@ -91,12 +91,7 @@ class Segment:
         self.buffers = []  # (storage, offset, shape, strides, dtype, name) of the results handed back
 
     def name_of(self, x) -> str:
-        key = _memory(x)
-        name = self.names.get(key)
-        if name is None:
-            name = self.names[key] = f"i{len(self.inputs)}"
-            self.inputs.append(x)
-        return name
+        return self._leaf(x)[0]
 
     def _leaf(self, x):
         """A tensor's name and how it reads its memory (its part of the key); any other argument as itself."""

@@ -8,6 +8,8 @@ together, as one compiled program, where Python first reads a value (docs/SPEED.
 Runs, alternating in one process, on the task's plain float64 model (as bench/step_graph_bound.py):
 
 * ``fp64``: the eager float64 step (the denominator);
+* ``dispatch mode``: the same step under a dispatch mode that only calls each op it sees (bench/step_graph_bound.py's):
+  what any route that keeps the step's Python under a dispatch mode pays before its own work, measured beside it;
 * ``deferred``: the same step with its ops deferred and run, at each sync point, by the same eager aten calls in
   the same order: the deferral's mechanics; its weights must be ``fp64``'s, bit for bit, every step;
 * ``deferred, rounded``: deferred, each segment run as one program compiled by torch.compile, every result the
@@ -17,6 +19,8 @@ Runs, alternating in one process, on the task's plain float64 model (as bench/st
 
 A cost measurement of the route, not a verified step: no error scales, scans, log or entries; random ops,
 sync points and any op that differs from the first step's stream run eagerly after the deferred ops before them.
+A segment seen before is matched against its plan (``Plan``) as its ops come: each op's tensors checked by memory
+against the recorded wiring, its constants by value, nothing else rebuilt; an op that differs ends the plan there.
 What the route would still need is docs/SPEED.md's. Writes the "Deferred steps" section of bench/RESULTS.md
 unless --no-write.
 """
@@ -36,6 +40,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from profile_engine import workload_bench  # noqa: E402
+from step_graph_bound import _PassThrough  # noqa: E402
 from step_stream import SYNC_OPS, _name  # noqa: E402
 from veritrain import rules  # noqa: E402
 from veritrain.capture import argument_source  # noqa: E402
@@ -45,7 +50,7 @@ from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
 from veritrain.task import build  # noqa: E402
 
 aten = torch.ops.aten
-RUNS = ("fp64", "deferred", "deferred, rounded")
+RUNS = ("fp64", "dispatch mode", "deferred", "deferred, rounded")
 
 
 def _rounds(func, args, kwargs) -> bool:
@@ -61,6 +66,7 @@ def _fixed_rule(func):
     return None if isinstance(rules.RULES.get(rules.base_name(func)), rules.Choose) else rules.lookup(func, None)
 
 
+@functools.lru_cache(maxsize=None)
 def _deferrable(func) -> bool:
     """Random ops run eagerly, in the stream's order."""
     return func.namespace == "aten" and _name(str(func)) not in SYNC_OPS \
@@ -85,8 +91,9 @@ class Segment:
     autograd takes over a gradient that no other tensor holds (AccumulateGrad, its input buffers) and copies one
     that another does, so holding the tensors would change the stream it issues."""
 
-    def __init__(self):
-        self.inputs, self.ops, self.key = [], [], []
+    def __init__(self, start: int = 0):
+        self.start = start  # the stream index of its first op
+        self.inputs, self.ops, self.key, self.outs = [], [], [], []
         self.names = {}  # _memory(tensor) -> its name in the function
         self.buffers = []  # (storage, offset, shape, strides, dtype, name) of the results handed back
 
@@ -113,7 +120,7 @@ class Segment:
         rounds = rounded and _rounds(func, args, kwargs)
         written = tuple(self.name_of(t) for t in _written(func, args, kwargs) if t.dtype == torch.float64) \
             if rounds else ()
-        results = []
+        results, outs = [], []
         aliases = _aliases(func) + (None,) * len(_as_tuple(out))
         for m, o in enumerate(_as_tuple(out)):
             if not isinstance(o, torch.Tensor) or aliases[m] == "write":
@@ -122,22 +129,31 @@ class Segment:
             rounded_value = rounds and o.dtype == torch.float64 and aliases[m] is None
             name = f"v{j}_{m}" if rounded_value else value
             results.append((value, name if rounded_value else None))
-            self.names[_memory(o)] = name
-            if aliases[m] is None:  # a view was taken of its buffer already
-                self.buffers.append((o.untyped_storage(), o.storage_offset(), tuple(o.shape), tuple(o.stride()),
-                                     o.dtype, name))
+            outs.append((m, name, aliases[m] is None))  # a view was taken of its buffer already
         self.ops.append((func, exprs, spec, written, results))
         self.key.append((func, tuple(k for _, k in named)))
+        self.outs.append(tuple(outs))
+        self.handed_back(out, outs)
 
-    def program(self, known):
-        """(source or None where ``known`` holds the key, key, the buffers still held): the function fills those
-        at its end, after every in-place op."""
-        # a result whose storage only this segment holds is read by nothing after it: not filled
-        held = [(torch.empty(0, dtype=dtype).set_(st, offset, shape, stride), name)
+    def handed_back(self, out, outs):
+        """Names an op's results by their memory, and holds the storage of each that is a new buffer."""
+        out = _as_tuple(out)
+        for m, name, buffered in outs:
+            o = out[m]
+            self.names[_memory(o)] = name
+            if buffered:
+                self.buffers.append((o.untyped_storage(), o.storage_offset(), tuple(o.shape), tuple(o.stride()),
+                                     o.dtype, name))
+
+    def held(self):
+        """[(buffer, its name)] for the results handed back that anything still holds: the program fills those at
+        its end, after every in-place op. A result whose storage only this segment holds is read by nothing after
+        it: not filled."""
+        return [(torch.empty(0, dtype=dtype).set_(st, offset, shape, stride), name)
                 for st, offset, shape, stride, dtype, name in self.buffers if torch._C._storage_Use_Count(st._cdata) > 1]
-        key = (tuple(self.key), tuple(name for _, name in held))
-        if key in known:
-            return None, None, key, [b for b, _ in held]
+
+    def source(self, held):
+        """(the program's source, its environment)."""
         env, lines = {"ROUND": _round}, []
         for j, (func, exprs, spec, written, results) in enumerate(self.ops):
             env[f"F{j}"] = func
@@ -153,8 +169,21 @@ class Segment:
             lines += [f"    {name} = ROUND({value})" for value, name in results if name is not None]
         params = [f"i{k}" for k in range(len(self.inputs))] + [f"b{k}" for k in range(len(held))]
         tail = [f"    b{k}.copy_({name})" for k, (_, name) in enumerate(held)]
-        source = "\n".join([f"def program({', '.join(params)}):"] + lines + tail + ["    return None"])
-        return source, env, key, [b for b, _ in held]
+        return "\n".join([f"def program({', '.join(params)}):"] + lines + tail + ["    return None"]), env
+
+
+class Plan:
+    """A segment seen before, as a later step must repeat it to run its program: per op, the function, the key its
+    tensors (by name and view) and constants must match, and the results it hands back. Following it, an op costs
+    its check and its buffers, nothing rebuilt (no rule looked up, no source, no key of the whole segment hashed);
+    its programs are found by the names of the buffers still held at its end."""
+
+    def __init__(self, seg: Segment):
+        self.ops, self.key, self.outs = seg.ops, seg.key, seg.outs
+        self.programs = {}
+
+
+_MISMATCH = object()
 
 
 def _memory(x):
@@ -170,21 +199,26 @@ def _round(y):
 class Deferring(TorchDispatchMode):
     """Records the first step's stream; in later steps hands back each matching op's buffers unfilled and runs the
     deferred ops at each sync point (``compiled``: one program per segment, compiled; otherwise the same aten
-    calls, eagerly)."""
+    calls, eagerly). A segment that ran a program is kept as a ``Plan``, which the next step's segment from the
+    same stream index follows while its ops match."""
 
     def __init__(self, compiled: bool, rounded: bool):
         super().__init__()
         self.compiled, self.rounded = compiled, rounded
-        self.stream = None  # the first step's (func, output metadata) per op
-        self.programs = {}
+        self.stream = None  # the first step's (func, output metadata, floats) per op
+        self.programs = {}  # (the segment's key, the names of the buffers it fills) -> its program
+        self.plans = {}  # stream index of a segment's first op -> Plan
+        self.plan = None  # the plan the current segment follows
         self.step_ops = []
         self.segment = Segment()
         self.eager_ops = 0  # after the first step: ops run eagerly (sync points, random ops, changed floats)
         self.deferred_ops = 0
+        self.followed_ops = 0  # of those, the ops checked against a plan
         self.program_s = self.own_s = 0.0  # seconds in the programs (their compiles too), in the mode's own work
 
     def start_step(self):
-        self.step_ops, self.segment, self.index, self.diverged = [], Segment(), 0, self.stream is None
+        self.step_ops, self.segment, self.plan, self.index = [], Segment(), None, 0
+        self.diverged = self.stream is None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         t0, before = time.perf_counter(), self.program_s
@@ -201,6 +235,13 @@ class Deferring(TorchDispatchMode):
             self.step_ops.append((func, None, ()))
             self.index += 1
             return out
+        if self.plan is None and not self.segment.key and not self.diverged:
+            self.plan, self.plan_pos, self.segment.start = self.plans.get(self.index), 0, self.index
+        if self.plan is not None:
+            out = _MISMATCH if self.diverged else self._follow(func, args, kwargs)
+            if out is not _MISMATCH:
+                return out
+            self._leave_plan()  # the ops that matched are the segment; this one goes the general way
         leaves, spec = _flatten_call(args, kwargs)
         floats = tuple(x for x in leaves if type(x) is float)
         # an op whose float arguments changed since the last step (AdamW's step sizes) runs eagerly: a program takes
@@ -213,10 +254,61 @@ class Deferring(TorchDispatchMode):
             self.index += 1
             self.eager_ops += self.stream is not None
             return out
-        meta = self.stream[self.index][1]
-        self.step_ops.append((func, meta, floats))
+        if not self.segment.key:
+            self.segment.start = self.index
+        out, _ = self._hand_back(func, args, kwargs, self.stream[self.index][1])
+        self.step_ops.append(self.stream[self.index])
         self.index += 1
         self.deferred_ops += 1
+        self.segment.add(func, leaves, spec, args, kwargs, out, self.rounded)
+        return out
+
+    def _follow(self, func, args, kwargs):
+        """The op's results, handed back unfilled, where it is the plan's next op with the same tensors (by the names
+        their memory has in this segment, and their views) and constants; else _MISMATCH, with nothing changed."""
+        plan, k = self.plan, self.plan_pos
+        if k >= len(plan.key):
+            return _MISMATCH
+        planned, want = plan.key[k]
+        if func is not planned:
+            return _MISMATCH
+        leaves, spec = _flatten_call(args, kwargs)
+        if len(leaves) != len(want) or spec != plan.ops[k][2]:
+            return _MISMATCH
+        seg = self.segment
+        names, new = seg.names, {}
+        for x, w in zip(leaves, want):
+            if isinstance(x, torch.Tensor):
+                m = _memory(x)
+                name = names.get(m)
+                if name is None:  # a tensor from before the segment: the program's next input
+                    name, _ = new.get(m) or new.setdefault(m, (f"i{len(seg.inputs) + len(new)}", x))
+                if w != (name,) + m[1:]:
+                    return _MISMATCH
+            elif type(x) is not type(w) or x != w:
+                return _MISMATCH
+        for m, (name, x) in new.items():
+            names[m] = name
+            seg.inputs.append(x)
+        out, _ = self._hand_back(func, args, kwargs, self.stream[self.index][1])
+        seg.handed_back(out, plan.outs[k])
+        self.step_ops.append(self.stream[self.index])
+        self.index += 1
+        self.plan_pos += 1
+        self.deferred_ops += 1
+        self.followed_ops += 1
+        return out
+
+    def _leave_plan(self):
+        """The plan's ops matched so far become the segment's own."""
+        plan, k, seg = self.plan, self.plan_pos, self.segment
+        self.plan = None
+        seg.ops, seg.key, seg.outs = (plan.ops, plan.key, plan.outs) if k == len(plan.key) else \
+            (plan.ops[:k], plan.key[:k], plan.outs[:k])
+
+    def _hand_back(self, func, args, kwargs, meta):
+        """(the op's result, its outputs as a list): new buffers as the stream's metadata says, unfilled; an
+        in-place op's argument; a view taken now of the buffer it views."""
         outs = []
         aliases = _aliases(func)
         for m, md in enumerate(meta):
@@ -227,9 +319,7 @@ class Deferring(TorchDispatchMode):
             else:
                 shape, stride, dtype = md
                 outs.append(torch.empty_strided(shape, stride, dtype=dtype))
-        out = None if not aliases else outs[0] if len(aliases) == 1 and len(outs) == 1 else tuple(outs)
-        self.segment.add(func, leaves, spec, args, kwargs, out, self.rounded)
-        return out
+        return (None if not aliases else outs[0] if len(aliases) == 1 and len(outs) == 1 else tuple(outs)), outs
 
     def _eager(self, func, args, kwargs):
         """``func`` run now; in a rounded run, its results rounded as the engine rounds them (in place where the
@@ -248,22 +338,36 @@ class Deferring(TorchDispatchMode):
         self.step_ops = None
 
     def flush(self):
-        seg = self.segment
+        """Runs the deferred ops: the plan's program where the segment followed its plan to the end; otherwise the
+        segment's own (compiled the first time its key is seen), kept as the plan for its stream index."""
+        plan, seg = self.plan, self.segment
+        if plan is not None:
+            self._leave_plan()
+            if len(seg.key) < len(plan.key):
+                plan = None
         if not seg.key:
             return
         self.segment = Segment()
-        source, env, key, buffers = seg.program(self.programs)
-        program = self.programs.get(key)
+        held = seg.held()
+        filled = tuple(name for _, name in held)
+        program = plan.programs.get(filled) if plan is not None else None
         if program is None:
-            ns = dict(env)
-            exec(compile(source, f"<deferred segment {len(self.programs)}>", "exec"), ns)
-            program = ns["program"]
-            if self.compiled:
-                program = torch.compile(program, dynamic=False, fullgraph=True)
-            self.programs[key] = program
+            key = (tuple(seg.key), filled)
+            program = self.programs.get(key)
+            if program is None:
+                source, env = seg.source(held)
+                ns = dict(env)
+                exec(compile(source, f"<deferred segment {len(self.programs)}>", "exec"), ns)
+                program = ns["program"]
+                if self.compiled:
+                    program = torch.compile(program, dynamic=False, fullgraph=True)
+                self.programs[key] = program
+            if plan is None:
+                plan = self.plans[seg.start] = Plan(seg)
+            plan.programs[filled] = program
         t0 = time.perf_counter()
         with torch.no_grad():
-            program(*[x.data for x in seg.inputs], *[b.data for b in buffers])
+            program(*[x.data for x in seg.inputs], *[b.data for b, _ in held])
         self.program_s += time.perf_counter() - t0
 
 
@@ -319,7 +423,10 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
             marks = (mode.program_s, mode.own_s) if mode is not None else None
             torch.manual_seed(step)  # dropout's masks from torch's generator: the same in every run of a step
             t0 = time.perf_counter()
-            if mode is None:
+            if mode is None and name == "dispatch mode":
+                with _PassThrough():
+                    tasks[name].run_step(batch)
+            elif mode is None:
                 tasks[name].run_step(batch)
             else:
                 mode.start_step()
@@ -346,7 +453,8 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
             "over_fp64": {r: statistics.median(t / f for t, f in zip(times[r], fp64)) for r in RUNS},
             "split": {k: statistics.median(t / f for t, f in zip(v, fp64)) for k, v in split.items()},
             "eager_ops": {name: m.eager_ops for name, m in modes.items()},
-            "programs": len(modes["deferred, rounded"].programs)}
+            "programs": len(modes["deferred, rounded"].programs),
+            "followed": {name: m.followed_ops / max(m.deferred_ops, 1) for name, m in modes.items()}}
 
 
 def markdown(results: dict, descriptions: dict, command: str, machine: str) -> str:
@@ -357,15 +465,18 @@ def markdown(results: dict, descriptions: dict, command: str, machine: str) -> s
              "float64 step. `deferred` gave the eager step's weights bit for bit in every step; `deferred, rounded` "
              "gave weights on the float32 grid in every step. Its step split (medians, in plain float64 steps): the "
              "time in its compiled programs, and the dispatch mode's own time (its bookkeeping per op and the ops it "
-             "runs eagerly); the rest is the step's Python, autograd and the optimizer.", "",
-             "| workload | fp64 (eager) | deferred (eager aten calls) | deferred, rounded (compiled programs) "
-             "| of which in its programs | in the mode's own work | programs | ops run eagerly (all steps) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "runs eagerly); the rest is the step's Python, autograd and the optimizer. `followed`: the share of its "
+             "deferred ops (all steps) checked against a plan, a segment seen before.", "",
+             "| workload | fp64 (eager) | dispatch mode (calls each op) | deferred (eager aten calls) "
+             "| deferred, rounded (compiled programs) | of which in its programs | in the mode's own work | programs "
+             "| ops run eagerly (all steps) | followed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         o = r["over_fp64"]
-        lines.append(f"| {name} | 1.00x ({r['median_ms']['fp64']:.3g} ms) | {o['deferred']:.2f}x | "
-                     f"{o['deferred, rounded']:.2f}x | {r['split']['programs']:.2f} | {r['split']['mode']:.2f} "
-                     f"| {r['programs']} | {r['eager_ops']['deferred, rounded']} |")
+        lines.append(f"| {name} | 1.00x ({r['median_ms']['fp64']:.3g} ms) | {o['dispatch mode']:.2f}x "
+                     f"| {o['deferred']:.2f}x | {o['deferred, rounded']:.2f}x | {r['split']['programs']:.2f} "
+                     f"| {r['split']['mode']:.2f} | {r['programs']} | {r['eager_ops']['deferred, rounded']} "
+                     f"| {r['followed']['deferred, rounded']:.0%} |")
     lines += ["", "Workloads: " + "; ".join(f"{k}: {v}" for k, v in descriptions.items()) + ".", ""]
     return "\n".join(lines)
 

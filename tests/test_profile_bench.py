@@ -293,8 +293,9 @@ def test_the_stream_bench_follows_where_each_tensor_comes_from_and_what_changes_
     assert step_stream.summarize(steps)["varying"] == {"mul": 1}
 
 
-def _deferred_steps(compiled, steps=4):
-    """A small float64 model trained eagerly and under bench/deferred_step.py's Deferring, step for step."""
+def _deferred_steps(compiled, steps=4, factors=(), swapped=()):
+    """A small float64 model trained eagerly and under bench/deferred_step.py's Deferring, step for step (step k's
+    scalar factor ``factors[k]``, else 2.0; in the steps ``swapped``, a difference's operands the other way round)."""
     import torch
 
     import deferred_step
@@ -305,10 +306,11 @@ def _deferred_steps(compiled, steps=4):
                                     torch.nn.Linear(8, 3)).double()
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=True)
 
-    def step(model, opt, x, y):
+    def step(model, opt, x, y, factor, swap):
         opt.zero_grad(set_to_none=True)
         h = model[2](model[1](model[0](x)))
-        loss = torch.nn.functional.cross_entropy(model[3](h + (h * 2.0).relu_().t().t()), y)  # views, an in-place op
+        g = (h * factor).relu_().t().t()  # views, an in-place op
+        loss = torch.nn.functional.cross_entropy(model[3](g - h if swap else h - g), y)
         loss.backward()
         opt.step()
         return float(loss)  # a sync point
@@ -318,10 +320,11 @@ def _deferred_steps(compiled, steps=4):
     for k in range(steps):
         g = torch.Generator().manual_seed(k)
         batch = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (5,), generator=g)
-        a = step(*eager, *batch)
+        factor = factors[k] if k < len(factors) else 2.0
+        a = step(*eager, *batch, factor, k in swapped)
         mode.start_step()
         with mode:
-            b = step(*deferred, *batch)
+            b = step(*deferred, *batch, factor, k in swapped)
         mode.end_step()
         yield a, b, eager[0], deferred[0], mode
 
@@ -341,6 +344,31 @@ def test_the_deferred_step_gives_the_eager_steps_bits():
         eager_ops.append(mode.eager_ops)
     assert eager_ops[-1] - eager_ops[-2] == eager_ops[-2] - eager_ops[-3] == 1, eager_ops  # the loss's read
     assert mode.deferred_ops > 100, mode.deferred_ops
+
+
+def test_a_deferred_segment_seen_before_follows_its_plan_and_leaves_it_where_an_op_differs():
+    """From the third step each segment is checked op by op against the one an earlier step ran (its Plan); where an
+    op's constant differs (step 4's factor), the plan ends there: the ops that matched run as a program of their
+    own, the op eagerly, and the step keeps the eager bits, as do the steps after it, which follow plans again.
+    Step 8 issues the same ops with the same constants, but one takes its tensors the other way round: the plan
+    ends there too (the check follows which tensor is which, not only the ops)."""
+    import torch
+
+    followed, eager_ops = [], []
+    for k, (a, b, eager, deferred, mode) in enumerate(_deferred_steps(compiled=False, steps=9,
+                                                                     factors=[2.0] * 4 + [3.0], swapped={8})):
+        assert a == b, k
+        for (name, p), q in zip(eager.state_dict().items(), deferred.state_dict().values()):
+            assert torch.equal(p, q), (k, name)
+        followed.append(mode.followed_ops)
+        eager_ops.append(mode.eager_ops)
+    per_step = [b - a for a, b in zip(followed, followed[1:])]
+    assert followed[1] == 0 and per_step[1] > 50, followed  # the second step records the plans, the third follows
+    # step 4 leaves its plan early, and so does step 5 (it follows the plan step 4 made of the ops that matched, then
+    # goes on as a segment that is the whole plan again); step 6 follows that one to its end
+    assert per_step[2] == per_step[5] and per_step[3] < per_step[2] and per_step[4] < per_step[2], per_step
+    assert eager_ops[4] - eager_ops[3] == eager_ops[3] - eager_ops[2] + 2, eager_ops  # the factor's two muls
+    assert per_step[6] == per_step[2] and per_step[7] < per_step[2], per_step
 
 
 def test_the_deferred_steps_compiled_programs_round_and_compile_once():

@@ -28,6 +28,7 @@ unless --no-write.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import statistics
 import sys
@@ -36,28 +37,105 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from profile_engine import workload_bench  # noqa: E402
 from step_graph_bound import _PassThrough  # noqa: E402
 from step_stream import SYNC_OPS, _name  # noqa: E402
-from veritrain import rules  # noqa: E402
+from veritrain import decompositions, rules  # noqa: E402
 from veritrain.capture import argument_source  # noqa: E402
-from veritrain.engine import _flatten_call, _named  # noqa: E402
-from veritrain.rounding import Grid  # noqa: E402
+from veritrain.engine import EngineConfig, _flatten_call, _named, _unflatten_call  # noqa: E402
+from veritrain.rounding import Grid, stability_flag  # noqa: E402
 from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
 from veritrain.task import build  # noqa: E402
 
 aten = torch.ops.aten
-RUNS = ("fp64", "dispatch mode", "deferred", "deferred, rounded")
+RUNS = ("fp64", "dispatch mode", "deferred", "deferred, rounded", "deferred, scanned")
+THRESHOLDS = EngineConfig().thresholds
+
+
+def _rule(func, args, kwargs):
+    """``func``'s rule as the engine picks it (some rows choose by the arguments: an add with alpha 1 is exact)."""
+    fixed = _fixed_rule(func)
+    return fixed if fixed is not None else rules.lookup(func, _named(func, args, kwargs))
 
 
 def _rounds(func, args, kwargs) -> bool:
     """Whether the engine rounds ``func``'s float results (its rule exact or approximate)."""
-    fixed = _fixed_rule(func)
-    rule = fixed if fixed is not None else rules.lookup(func, _named(func, args, kwargs))
+    rule = _rule(func, args, kwargs)
     return rule is not rules.FALLBACK_RULE and rule.kind in (rules.EXACT, rules.APPROX)
+
+
+def _float32_scalars(args, kwargs):
+    """The call's float arguments rounded to float32, as the engine rounds an op's scalars (its near-midpoint ones
+    logged: not here)."""
+    leaves, spec = _flatten_call(args, kwargs)
+    return _unflatten_call([float(np.float32(x)) if type(x) is float and math.isfinite(x) else x for x in leaves], spec)
+
+
+def _decomposes(func, args, kwargs) -> bool:
+    """Whether the engine computes ``func`` as its decomposition's steps (BatchNorm, the softmaxes: decompositions.py)."""
+    return _rule(func, args, kwargs).kind == rules.DECOMPOSE and decompositions.lookup(func) is not None
+
+
+class _Rounding(TorchDispatchMode):
+    """Inside a program's trace: each op's float64 results rounded as the engine rounds them and, ``scanned``, each
+    approximate op's near-midpoint test with its error scale counted in ``flags`` (a decomposition's steps)."""
+
+    def __init__(self, scanned: bool):
+        super().__init__()
+        self.scanned, self.flags = scanned, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = _rule(func, args, kwargs)
+        if rule is rules.FALLBACK_RULE or rule.kind not in (rules.EXACT, rules.APPROX):
+            return func(*args, **kwargs)
+        args, kwargs = _float32_scalars(args, kwargs)
+        out = func(*args, **kwargs)
+        outs = list(_as_tuple(out))
+        if self.scanned and rule.kind == rules.APPROX and not func._schema.is_mutable:
+            for y, scale in zip(outs, _scaler(func, rule)(out, *args, **kwargs)):
+                if isinstance(y, torch.Tensor) and y.dtype == torch.float64 and scale is not None:
+                    self.flags.append(stability_flag(y, scale, THRESHOLDS[rule.op_class]).sum())
+        for w in _written(func, args, kwargs):
+            if w.dtype == torch.float64:
+                w.copy_(_round(w))
+        if func._schema.is_mutable:
+            return out
+        outs = [_round(o) if isinstance(o, torch.Tensor) and o.dtype == torch.float64 else o for o in outs]
+        return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
+
+
+def _decomposed(func, scanned: bool):
+    """``func`` computed as the engine computes it, for a program to trace: its decomposition's steps, each rounded
+    (and, ``scanned``, tested); returns (its result, the count of its candidates or None)."""
+    decomposition = decompositions.lookup(func)
+
+    def run(*args, **kwargs):
+        mode = _Rounding(scanned)
+        with mode:
+            out = decomposition(*args, **kwargs)
+        return out, (torch.stack(mode.flags).sum() if mode.flags else torch.zeros((), dtype=torch.float32))
+    run.scanned = scanned
+    return run
+
+
+def _scaler(func, rule):
+    """A function of (the op's result, its arguments) giving each float64 output's error scale at full size, by the
+    engine's rule (rules.scale_for), for a program to trace."""
+    def scale(out, *args, **kwargs):
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        scales = []
+        for y, s in zip(outs, rules.scale_for(rule, rules.Call(func, args, kwargs, outs))):
+            if isinstance(s, rules.Deferred):
+                s = s.compute()
+            scales.append(rules.materialize_scale(s, y) if isinstance(y, torch.Tensor) and s is not None else None)
+        return scales
+    return scale
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,13 +189,18 @@ class Segment:
             self.inputs.append(x)
         return name, (name,) + key[1:]
 
-    def add(self, func, leaves, spec, args, kwargs, out, rounded: bool):
+    def add(self, func, leaves, spec, args, kwargs, out, rounded: bool, scanned: bool = False):
         """Names the op's tensors and results; the function's source is written only for a stream not seen before
         (``program``): a step that repeats one pays for the names and the key alone."""
         j = len(self.key)
         named = [self._leaf(x) for x in leaves]
         exprs = tuple(e for e, _ in named)
         rounds = rounded and _rounds(func, args, kwargs)
+        decomposed = _decomposed(func, scanned) if rounded and _decomposes(func, args, kwargs) else None
+        rule = _rule(func, args, kwargs) if scanned and rounds else None
+        # the trainer's scan: each approximate op's new results (not an in-place op's: the optimizer's updates)
+        scan = (_scaler(func, rule), THRESHOLDS[rule.op_class]) if rule is not None and rule.kind == rules.APPROX \
+            and not func._schema.is_mutable else None
         written = tuple(self.name_of(t) for t in _written(func, args, kwargs) if t.dtype == torch.float64) \
             if rounds else ()
         results, outs = [], []
@@ -128,9 +211,11 @@ class Segment:
             value = f"r{j}" if not isinstance(out, (tuple, list)) else f"r{j}[{m}]"
             rounded_value = rounds and o.dtype == torch.float64 and aliases[m] is None
             name = f"v{j}_{m}" if rounded_value else value
-            results.append((value, name if rounded_value else None))
+            results.append((value, name if rounded_value else None, m))
             outs.append((m, name, aliases[m] is None))  # a view was taken of its buffer already
-        self.ops.append((func, exprs, spec, written, results))
+        if rounds:  # the engine computes the op with its scalars on float32 (a decomposition: each step's own)
+            exprs = tuple(float(np.float32(e)) if type(e) is float and math.isfinite(e) else e for e in exprs)
+        self.ops.append((func, exprs, spec, written, results, scan, decomposed))
         self.key.append((func, tuple(k for _, k in named)))
         self.outs.append(tuple(outs))
         self.handed_back(out, outs)
@@ -153,9 +238,10 @@ class Segment:
                 for st, offset, shape, stride, dtype, name in self.buffers if torch._C._storage_Use_Count(st._cdata) > 1]
 
     def source(self, held):
-        """(the program's source, its environment)."""
-        env, lines = {"ROUND": _round}, []
-        for j, (func, exprs, spec, written, results) in enumerate(self.ops):
+        """(the program's source, its environment). The program returns its candidates' count (a scanned segment's:
+        each approximate result's near-midpoint test with its error scale, as the engine's kernels run it), or None."""
+        env, lines, flags = {"ROUND": _round, "FLAG": stability_flag, "torch": torch}, [], []
+        for j, (func, exprs, spec, written, results, scan, decomposed) in enumerate(self.ops):
             env[f"F{j}"] = func
             args = []
             for k, e in enumerate(exprs):
@@ -164,12 +250,41 @@ class Segment:
                 else:
                     env[f"L{j}_{k}"] = e
                     args.append(f"L{j}_{k}")
-            lines.append(f"    r{j} = F{j}({argument_source(spec, args)})")
+            if decomposed is not None:  # its steps rounded (and tested) as the engine's
+                env[f"D{j}"] = decomposed
+                lines.append(f"    r{j}, d{j} = D{j}({argument_source(spec, args)})")
+                if decomposed.scanned:
+                    flags.append(f"d{j}")
+            else:
+                lines.append(f"    r{j} = F{j}({argument_source(spec, args)})")
+            if scan is not None:
+                env[f"SCALE{j}"], c = scan
+                lines.append(f"    s{j} = SCALE{j}(r{j}, {argument_source(spec, args)})")
+                for value, name, m in results:
+                    if name is not None:
+                        lines.append(f"    f{j}_{m} = FLAG({value}, s{j}[{m}], {c!r}).sum()")
+                        flags.append(f"f{j}_{m}")
             lines += [f"    {w}.copy_(ROUND({w}))" for w in written]
-            lines += [f"    {name} = ROUND({value})" for value, name in results if name is not None]
+            lines += [f"    {name} = ROUND({value})" for value, name, _ in results if name is not None]
         params = [f"i{k}" for k in range(len(self.inputs))] + [f"b{k}" for k in range(len(held))]
+        tensors = self.inputs + [b for b, _ in held]
+        # a 0-d float64 tensor comes in as a one-element view (_program_arguments), taken back to 0-d here
+        lines[:0] = [f"    {p} = {p}.view(())" for p, t in zip(params, tensors) if _scalar64(t)]
         tail = [f"    b{k}.copy_({name})" for k, (_, name) in enumerate(held)]
-        return "\n".join([f"def program({', '.join(params)}):"] + lines + tail + ["    return None"]), env
+        count = f"torch.stack([{', '.join(flags)}]).sum()" if flags else "None"
+        return "\n".join([f"def program({', '.join(params)}):"] + lines + tail + [f"    return {count}"]), env
+
+
+def _scalar64(t) -> bool:
+    return t.dim() == 0 and t.dtype == torch.float64
+
+
+def _program_arguments(seg: Segment, held) -> list:
+    """The tensors a segment's program takes (its inputs, then the buffers it fills), as their ``.data``: a 0-d
+    float64 one as a one-element view. torch.compile (2.13, AOT autograd: inductor and aot_eager alike) drops an
+    in-place write to a 0-d float64 input (float32 and other dtypes are written), and the program writes some (the
+    loss's buffer)."""
+    return [x.data.view(1) if _scalar64(x) else x.data for x in seg.inputs + [b for b, _ in held]]
 
 
 class Plan:
@@ -202,9 +317,10 @@ class Deferring(TorchDispatchMode):
     calls, eagerly). A segment that ran a program is kept as a ``Plan``, which the next step's segment from the
     same stream index follows while its ops match."""
 
-    def __init__(self, compiled: bool, rounded: bool):
+    def __init__(self, compiled: bool, rounded: bool, scanned: bool = False):
         super().__init__()
-        self.compiled, self.rounded = compiled, rounded
+        self.compiled, self.rounded, self.scanned = compiled, rounded, scanned
+        self.candidates = 0  # a scanned run's, all steps
         self.stream = None  # the first step's (func, output metadata, floats) per op
         self.programs = {}  # (the segment's key, the names of the buffers it fills) -> its program
         self.plans = {}  # stream index of a segment's first op -> Plan
@@ -260,7 +376,7 @@ class Deferring(TorchDispatchMode):
         self.step_ops.append(self.stream[self.index])
         self.index += 1
         self.deferred_ops += 1
-        self.segment.add(func, leaves, spec, args, kwargs, out, self.rounded)
+        self.segment.add(func, leaves, spec, args, kwargs, out, self.rounded, self.scanned)
         return out
 
     def _follow(self, func, args, kwargs):
@@ -322,10 +438,14 @@ class Deferring(TorchDispatchMode):
         return (None if not aliases else outs[0] if len(aliases) == 1 and len(outs) == 1 else tuple(outs)), outs
 
     def _eager(self, func, args, kwargs):
-        """``func`` run now; in a rounded run, its results rounded as the engine rounds them (in place where the
-        op wrote its argument)."""
-        out = func(*args, **kwargs)
-        if self.rounded and _rounds(func, args, kwargs):
+        """``func`` run now; in a rounded run, as the engine computes it: its scalars on float32, its results rounded
+        (in place where the op wrote its argument), a decomposed op as its steps, each rounded."""
+        if self.rounded and _decomposes(func, args, kwargs):
+            return _decomposed(func, scanned=False)(*args, **kwargs)[0]
+        rounds = self.rounded and _rounds(func, args, kwargs)
+        out = func(*_float32_scalars(args, kwargs)[0], **_float32_scalars(args, kwargs)[1]) if rounds else \
+            func(*args, **kwargs)
+        if rounds:
             for o in list(_as_tuple(out)) + _written(func, args, kwargs):
                 if isinstance(o, torch.Tensor) and o.dtype == torch.float64:
                     o.data.copy_(_round(o.data))
@@ -359,7 +479,10 @@ class Deferring(TorchDispatchMode):
                 ns = dict(env)
                 exec(compile(source, f"<deferred segment {len(self.programs)}>", "exec"), ns)
                 program = ns["program"]
-                if self.compiled:
+                if self.compiled:  # the rules' and decompositions' Python traced to aten ops first (on fake
+                    # tensors: a rule that read a value would fail here), then compiled: torch.compile's own tracer
+                    # follows neither the rules nor a dispatch mode
+                    program = make_fx(program, tracing_mode="fake")(*_program_arguments(seg, held))
                     program = torch.compile(program, dynamic=False, fullgraph=True)
                 self.programs[key] = program
             if plan is None:
@@ -367,7 +490,9 @@ class Deferring(TorchDispatchMode):
             plan.programs[filled] = program
         t0 = time.perf_counter()
         with torch.no_grad():
-            program(*[x.data for x in seg.inputs], *[b.data for b, _ in held])
+            count = program(*_program_arguments(seg, held))
+        if count is not None:  # read here, as a trainer would (its candidates classified after the program)
+            self.candidates += int(count)
         self.program_s += time.perf_counter() - t0
 
 
@@ -407,13 +532,17 @@ def _alias(func, m, args, kwargs):
 
 def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
     grid = Grid(32)
-    tasks, modes = {}, {"deferred": Deferring(False, False), "deferred, rounded": Deferring(True, True)}
+    modes = {"deferred": Deferring(False, False), "deferred, rounded": Deferring(True, True),
+             "deferred, scanned": Deferring(True, True, scanned=True)}
+    compiled = [name for name, m in modes.items() if m.compiled]
+    tasks = {}
     for name in RUNS:
         task = build(task_ref, config)
         _prepare_model(task, "fp64", grid)
         tasks[name] = task
     times = {r: [] for r in RUNS}
-    split = {"programs": [], "mode": []}  # the rounded run's step: in its programs, in the mode's own work
+    # a compiled run's step: in its programs, in the mode's own work
+    split = {name: {"programs": [], "mode": []} for name in compiled}
     warm = 3  # the first step records the stream, the second compiles the programs
     for step in range(steps + warm):
         order = RUNS[step % len(RUNS):] + RUNS[:step % len(RUNS)]
@@ -436,25 +565,28 @@ def measure(task_ref: str, config: dict, steps: int, progress=print) -> dict:
             elapsed = time.perf_counter() - t0
             if step >= warm:
                 times[name].append(elapsed)
-                if name == "deferred, rounded":
-                    split["programs"].append(mode.program_s - marks[0])
-                    split["mode"].append(mode.own_s - marks[1])
+                if name in split:
+                    split[name]["programs"].append(mode.program_s - marks[0])
+                    split[name]["mode"].append(mode.own_s - marks[1])
         plain = [p for p in tasks["fp64"].model.parameters()]
-        deferred = [p for p in tasks["deferred"].model.parameters()]
-        if any(not torch.equal(a, b) for a, b in zip(plain, deferred)):
-            raise RuntimeError(f"step {step}: the deferred step's weights differ from the eager step's")
-        off = [n for n, p in tasks["deferred, rounded"].model.named_parameters() if not bool((p == p.float().double()).all())]
-        if off:
-            raise RuntimeError(f"step {step}: the rounded deferred step's weights are off the float32 grid: {off[:4]}")
+        for name in ("dispatch mode", "deferred"):
+            if any(not torch.equal(a, b) for a, b in zip(plain, tasks[name].model.parameters())):
+                raise RuntimeError(f"step {step}: the {name} step's weights differ from the eager step's")
+        for name in compiled:
+            off = [n for n, p in tasks[name].model.named_parameters() if not bool((p == p.float().double()).all())]
+            if off:
+                raise RuntimeError(f"step {step}: the {name} step's weights are off the float32 grid: {off[:4]}")
         if step >= warm and progress:
             progress("  step %d: %s" % (step, ", ".join(f"{r} {times[r][-1] * 1000:.1f} ms" for r in RUNS)))
     fp64 = times["fp64"]
     return {"median_ms": {r: statistics.median(t) * 1000 for r, t in times.items()},
             "over_fp64": {r: statistics.median(t / f for t, f in zip(times[r], fp64)) for r in RUNS},
-            "split": {k: statistics.median(t / f for t, f in zip(v, fp64)) for k, v in split.items()},
+            "split": {name: {k: statistics.median(t / f for t, f in zip(v, fp64)) for k, v in parts.items()}
+                      for name, parts in split.items()},
             "eager_ops": {name: m.eager_ops for name, m in modes.items()},
-            "programs": len(modes["deferred, rounded"].programs),
-            "followed": {name: m.followed_ops / max(m.deferred_ops, 1) for name, m in modes.items()}}
+            "programs": {name: len(modes[name].programs) for name in compiled},
+            "followed": {name: m.followed_ops / max(m.deferred_ops, 1) for name, m in modes.items()},
+            "candidates": modes["deferred, scanned"].candidates / (steps + warm - 2)}
 
 
 def markdown(results: dict, descriptions: dict, command: str, machine: str) -> str:
@@ -462,21 +594,26 @@ def markdown(results: dict, descriptions: dict, command: str, machine: str) -> s
              "", f"Machine: {machine}", "",
              "Written by `bench/deferred_step.py` (its docstring defines each run). Each step index ran every run "
              "once, in rotated order, in one process; ratios are medians of same-step ratios to the eager plain "
-             "float64 step. `deferred` gave the eager step's weights bit for bit in every step; `deferred, rounded` "
-             "gave weights on the float32 grid in every step. Its step split (medians, in plain float64 steps): the "
-             "time in its compiled programs, and the dispatch mode's own time (its bookkeeping per op and the ops it "
-             "runs eagerly); the rest is the step's Python, autograd and the optimizer. `followed`: the share of its "
-             "deferred ops (all steps) checked against a plan, a segment seen before.", "",
-             "| workload | fp64 (eager) | dispatch mode (calls each op) | deferred (eager aten calls) "
-             "| deferred, rounded (compiled programs) | of which in its programs | in the mode's own work | programs "
-             "| ops run eagerly (all steps) | followed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "float64 step. `dispatch mode` and `deferred` gave the eager step's weights bit for bit in every step; "
+             "the compiled runs gave weights on the float32 grid in every step.", "",
+             "| workload | fp64 (eager) | " + " | ".join(RUNS[1:]) + " |", "| --- " * len(RUNS) + "| --- |"]
     for name, r in results.items():
         o = r["over_fp64"]
-        lines.append(f"| {name} | 1.00x ({r['median_ms']['fp64']:.3g} ms) | {o['dispatch mode']:.2f}x "
-                     f"| {o['deferred']:.2f}x | {o['deferred, rounded']:.2f}x | {r['split']['programs']:.2f} "
-                     f"| {r['split']['mode']:.2f} | {r['programs']} | {r['eager_ops']['deferred, rounded']} "
-                     f"| {r['followed']['deferred, rounded']:.0%} |")
+        lines.append(f"| {name} | 1.00x ({r['median_ms']['fp64']:.3g} ms) | "
+                     + " | ".join(f"{o[run]:.2f}x" for run in RUNS[1:]) + " |")
+    lines += ["", "The compiled runs' steps split (medians, in plain float64 steps): the time in their compiled "
+              "programs (a scanned run's reads of its candidate counts included), and the dispatch mode's own time "
+              "(its bookkeeping per op and the ops it runs eagerly); the rest is the step's Python, autograd and the "
+              "optimizer. `followed`: the share of the deferred ops (all steps) checked against a plan, a segment seen "
+              "before. `candidates`: the scanned run's flagged results a step, which a trainer would classify.", "",
+              "| workload | run | step | in its programs | in the mode's own work | programs | ops run eagerly "
+              "(all steps) | followed | candidates a step |", "| --- " * 9 + "|"]
+    for name, r in results.items():
+        for run, split in r["split"].items():
+            cands = f"{r['candidates']:.0f}" if "scanned" in run else ""
+            lines.append(f"| {name} | {run} | {r['over_fp64'][run]:.2f}x | {split['programs']:.2f} | "
+                         f"{split['mode']:.2f} | {r['programs'][run]} | {r['eager_ops'][run]} | "
+                         f"{r['followed'][run]:.0%} | {cands} |")
     lines += ["", "Workloads: " + "; ".join(f"{k}: {v}" for k, v in descriptions.items()) + ".", ""]
     return "\n".join(lines)
 

@@ -4,6 +4,8 @@ timer stack must account for the whole step (each category exclusive, together t
 import os
 import sys
 
+import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -293,17 +295,21 @@ def test_the_stream_bench_follows_where_each_tensor_comes_from_and_what_changes_
     assert step_stream.summarize(steps)["varying"] == {"mul": 1}
 
 
-def _deferred_steps(compiled, steps=4, factors=(), swapped=()):
+def _deferred_steps(compiled, steps=4, factors=(), swapped=(), scanned=False, engine_dir=None):
     """A small float64 model trained eagerly and under bench/deferred_step.py's Deferring, step for step (step k's
-    scalar factor ``factors[k]``, else 2.0; in the steps ``swapped``, a difference's operands the other way round)."""
+    scalar factor ``factors[k]``, else 2.0; in the steps ``swapped``, a difference's operands the other way round).
+    With ``engine_dir``, a third copy, in float32, trains under the engine as a trainer (logs in that folder) and
+    takes the eager copy's place in what each step yields."""
     import torch
 
     import deferred_step
+    from veritrain.engine import EngineConfig, step_context
+    from veritrain.logformat import StepLogWriter
 
-    def make():
+    def make(dtype=torch.float64):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
-                                    torch.nn.Linear(8, 3)).double()
+                                    torch.nn.Linear(8, 3)).to(dtype)
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=True)
 
     def step(model, opt, x, y, factor, swap):
@@ -315,13 +321,20 @@ def _deferred_steps(compiled, steps=4, factors=(), swapped=()):
         opt.step()
         return float(loss)  # a sync point
 
-    eager, deferred = make(), make()
-    mode = deferred_step.Deferring(compiled=compiled, rounded=compiled)
+    eager, deferred = make(torch.float32 if engine_dir else torch.float64), make()
+    mode = deferred_step.Deferring(compiled=compiled, rounded=compiled, scanned=scanned)
     for k in range(steps):
         g = torch.Generator().manual_seed(k)
-        batch = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (5,), generator=g)
+        x = torch.randn(5, 6, generator=g).double()  # on the float32 grid
+        batch = x, torch.randint(0, 3, (5,), generator=g)
         factor = factors[k] if k < len(factors) else 2.0
-        a = step(*eager, *batch, factor, k in swapped)
+        if engine_dir:
+            writer = StepLogWriter(os.path.join(engine_dir, f"{k}.vtlog"), k, 32)
+            with step_context(EngineConfig(), k, writer=writer):
+                a = step(*eager, x.float(), batch[1], factor, k in swapped)
+            writer.close()
+        else:
+            a = step(*eager, *batch, factor, k in swapped)
         mode.start_step()
         with mode:
             b = step(*deferred, *batch, factor, k in swapped)
@@ -369,6 +382,23 @@ def test_a_deferred_segment_seen_before_follows_its_plan_and_leaves_it_where_an_
     assert per_step[2] == per_step[5] and per_step[3] < per_step[2] and per_step[4] < per_step[2], per_step
     assert eager_ops[4] - eager_ops[3] == eager_ops[3] - eager_ops[2] + 2, eager_ops  # the factor's two muls
     assert per_step[6] == per_step[2] and per_step[7] < per_step[2], per_step
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["rounded", "scanned"])
+def test_the_deferred_steps_compiled_programs_compute_the_engines_step(tmp_path, scanned):
+    """bench/deferred_step.py's compiled runs cost what they would cost only if they compute what the engine does:
+    their weights, BatchNorm's statistics and losses are a float32 copy's under the engine's trainer, bit for bit,
+    in every step. That needs every rounding the engine makes, a decomposition's steps (BatchNorm, the
+    log-softmax) included, and the engine's float32 scalars. (A flipped rounding could differ only within the
+    engine's logged margin of a midpoint: none on this model's values.) The scanned run also tests each result."""
+    import torch
+
+    for k, (a, b, engine, deferred, mode) in enumerate(_deferred_steps(compiled=True, steps=5, scanned=scanned,
+                                                                        engine_dir=str(tmp_path))):
+        assert a == b, k
+        for (name, p), q in zip(engine.state_dict().items(), deferred.state_dict().values()):
+            assert torch.equal(p.double(), q) if p.is_floating_point() else torch.equal(p, q), (k, name)
+    assert mode.deferred_ops > 100 and (mode.candidates > 0) == scanned, (mode.deferred_ops, mode.candidates)
 
 
 def test_the_deferred_steps_compiled_programs_round_and_compile_once():

@@ -12,17 +12,22 @@ Runs, alternating in one process, on the task's plain float64 model (as bench/st
   what any route that keeps the step's Python under a dispatch mode pays before its own work, measured beside it;
 * ``deferred``: the same step with its ops deferred and run, at each sync point, by the same eager aten calls in
   the same order: the deferral's mechanics; its weights must be ``fp64``'s, bit for bit, every step;
-* ``deferred, rounded``: deferred, each segment run as one program compiled by torch.compile, every result the
-  engine rounds (its rule exact or approximate, as step_graph_bound.py picks it) rounded to float32 and back
-  in the program: what an auditor's deferred step would cost where its log has no entry; its weights must lie on
-  the float32 grid.
+* ``deferred, rounded``: deferred, each segment run as one compiled program (traced by make_fx, then compiled by
+  torch.compile) that computes what the engine computes: every result the engine rounds (its rule exact or
+  approximate, as step_graph_bound.py picks it) rounded to float32 and back, every op's float scalars on float32,
+  a decomposed op (BatchNorm, the softmaxes) as its decomposition's steps, each rounded. What an auditor's
+  deferred step would cost where its log has no entry; its weights must lie on the float32 grid
+  (tests/test_profile_bench.py holds them to a float32 copy trained under the engine's trainer, bit for bit);
+* ``deferred, scanned``: the same programs with each approximate op's error scale (the engine's rule, traced) and
+  near-midpoint test (rounding.stability_flag, as the compiled kernels run it), their candidates counted and
+  read at each program's end: what a deferred trainer's step would cost before it classifies its candidates.
 
-A cost measurement of the route, not a verified step: no error scales, scans, log or entries; random ops,
-sync points and any op that differs from the first step's stream run eagerly after the deferred ops before them.
-A segment seen before is matched against its plan (``Plan``) as its ops come: each op's tensors checked by memory
-against the recorded wiring, its constants by value, nothing else rebuilt; an op that differs ends the plan there.
-What the route would still need is docs/SPEED.md's. Writes the "Deferred steps" section of bench/RESULTS.md
-unless --no-write.
+A cost measurement of the route, not a verified step: no classification of the candidates, log or entries; the
+optimizer's in-place updates are rounded but not scanned; random ops, sync points and any op that differs from the
+first step's stream run eagerly (rounded, not scanned) after the deferred ops before them. A segment seen before
+is matched against its plan (``Plan``) as its ops come: each op's tensors checked by memory against the recorded
+wiring, its constants by value, nothing else rebuilt; an op that differs ends the plan there. What the route
+would still need is docs/SPEED.md's. Writes the "Deferred steps" section of bench/RESULTS.md unless --no-write.
 """
 
 from __future__ import annotations
@@ -67,6 +72,27 @@ def _rounds(func, args, kwargs) -> bool:
     """Whether the engine rounds ``func``'s float results (its rule exact or approximate)."""
     rule = _rule(func, args, kwargs)
     return rule is not rules.FALLBACK_RULE and rule.kind in (rules.EXACT, rules.APPROX)
+
+
+def _addcdiv_by_tensors(self, t1, t2, scalars):
+    """self + scalar * t1 / t2 per tensor, in ATen's order ((scalar * t1) / t2, then the sum), by ops that take the
+    scalars as 0-d tensors (``_foreach_addcdiv_.Tensor`` wants its vector on the CPU, which a fake trace is not)."""
+    quotients = aten._foreach_mul.List(t1, scalars)
+    aten._foreach_div_.List(quotients, t2)
+    return aten._foreach_add_.List(self, quotients)
+
+
+def _div_by_tensors(self, scalars):
+    return aten._foreach_div_.List(self, scalars)
+
+
+# Ops whose float list changes every step (AdamW's step sizes and bias corrections: bench/step_stream.py), run with
+# their floats as a program input: each float as a 0-d tensor (of a float64 vector the program takes), through the
+# op's overload that takes tensors. torch.compile would specialize the floats (a compile a step); the others stay
+# constants
+_FLOATS_AS_INPUT = {aten._foreach_addcdiv_.ScalarList: _addcdiv_by_tensors,
+                    aten._foreach_div_.ScalarList: _div_by_tensors}
+_VARYING = object()  # a float of such an op in a segment's key: any float matches
 
 
 def _float32_scalars(args, kwargs):
@@ -173,6 +199,7 @@ class Segment:
         self.start = start  # the stream index of its first op
         self.inputs, self.ops, self.key, self.outs = [], [], [], []
         self.names = {}  # _memory(tensor) -> its name in the function
+        self.floats = []  # per op of _FLOATS_AS_INPUT, its floats: the program's inputs q0, q1, ...
         self.buffers = []  # (storage, offset, shape, strides, dtype, name) of the results handed back
 
     def name_of(self, x) -> str:
@@ -194,8 +221,14 @@ class Segment:
         (``program``): a step that repeats one pays for the names and the key alone."""
         j = len(self.key)
         named = [self._leaf(x) for x in leaves]
-        exprs = tuple(e for e, _ in named)
         rounds = rounded and _rounds(func, args, kwargs)
+        if func in _FLOATS_AS_INPUT:  # its floats: the program's next input, a vector q{n}
+            n, k = len(self.floats), 0
+            self.add_floats(leaves, rounds)
+            for i, x in enumerate(leaves):
+                if type(x) is float:
+                    named[i], k = (f"q{n}[{k}]", _VARYING), k + 1
+        exprs = tuple(e for e, _ in named)
         decomposed = _decomposed(func, scanned) if rounded and _decomposes(func, args, kwargs) else None
         rule = _rule(func, args, kwargs) if scanned and rounds else None
         # the trainer's scan: each approximate op's new results (not an in-place op's: the optimizer's updates)
@@ -219,6 +252,10 @@ class Segment:
         self.key.append((func, tuple(k for _, k in named)))
         self.outs.append(tuple(outs))
         self.handed_back(out, outs)
+
+    def add_floats(self, leaves, rounds: bool):
+        """Keeps an op's floats (on float32 where the engine rounds them) as the program's next input."""
+        self.floats.append([float(np.float32(x)) if rounds else x for x in leaves if type(x) is float])
 
     def handed_back(self, out, outs):
         """Names an op's results by their memory, and holds the storage of each that is a new buffer."""
@@ -256,6 +293,8 @@ class Segment:
                 if decomposed.scanned:
                     flags.append(f"d{j}")
             else:
+                if func in _FLOATS_AS_INPUT:
+                    env[f"F{j}"] = _FLOATS_AS_INPUT[func]
                 lines.append(f"    r{j} = F{j}({argument_source(spec, args)})")
             if scan is not None:
                 env[f"SCALE{j}"], c = scan
@@ -266,7 +305,8 @@ class Segment:
                         flags.append(f"f{j}_{m}")
             lines += [f"    {w}.copy_(ROUND({w}))" for w in written]
             lines += [f"    {name} = ROUND({value})" for value, name, _ in results if name is not None]
-        params = [f"i{k}" for k in range(len(self.inputs))] + [f"b{k}" for k in range(len(held))]
+        params = [f"i{k}" for k in range(len(self.inputs))] + [f"b{k}" for k in range(len(held))] + \
+            [f"q{k}" for k in range(len(self.floats))]
         tensors = self.inputs + [b for b, _ in held]
         # a 0-d float64 tensor comes in as a one-element view (_program_arguments), taken back to 0-d here
         lines[:0] = [f"    {p} = {p}.view(())" for p, t in zip(params, tensors) if _scalar64(t)]
@@ -284,7 +324,8 @@ def _program_arguments(seg: Segment, held) -> list:
     float64 one as a one-element view. torch.compile (2.13, AOT autograd: inductor and aot_eager alike) drops an
     in-place write to a 0-d float64 input (float32 and other dtypes are written), and the program writes some (the
     loss's buffer)."""
-    return [x.data.view(1) if _scalar64(x) else x.data for x in seg.inputs + [b for b, _ in held]]
+    return [x.data.view(1) if _scalar64(x) else x.data for x in seg.inputs + [b for b, _ in held]] + \
+        [torch.tensor(f, dtype=torch.float64) for f in seg.floats]
 
 
 class Plan:
@@ -363,7 +404,8 @@ class Deferring(TorchDispatchMode):
         # an op whose float arguments changed since the last step (AdamW's step sizes) runs eagerly: a program takes
         # its floats as constants (torch.compile specializes an aten op's scalar arguments: each step would compile
         # again); one that takes them as inputs needs them as tensors (fused.FusedKernels does so)
-        if self.diverged or not _deferrable(func) or spec[0] != "call" or floats != self.stream[self.index][2]:
+        if self.diverged or not _deferrable(func) or spec[0] != "call" or \
+                (floats != self.stream[self.index][2] and func not in _FLOATS_AS_INPUT):
             self.flush()
             out = self._eager(func, args, kwargs)
             self.step_ops.append((func, _meta(out), floats))
@@ -394,7 +436,10 @@ class Deferring(TorchDispatchMode):
         seg = self.segment
         names, new = seg.names, {}
         for x, w in zip(leaves, want):
-            if isinstance(x, torch.Tensor):
+            if w is _VARYING:
+                if type(x) is not float:
+                    return _MISMATCH
+            elif isinstance(x, torch.Tensor):
                 m = _memory(x)
                 name = names.get(m)
                 if name is None:  # a tensor from before the segment: the program's next input
@@ -406,6 +451,8 @@ class Deferring(TorchDispatchMode):
         for m, (name, x) in new.items():
             names[m] = name
             seg.inputs.append(x)
+        if func in _FLOATS_AS_INPUT:
+            seg.add_floats(leaves, self.rounded and _rounds(func, args, kwargs))
         out, _ = self._hand_back(func, args, kwargs, self.stream[self.index][1])
         seg.handed_back(out, plan.outs[k])
         self.step_ops.append(self.stream[self.index])

@@ -369,12 +369,14 @@ class Deferring(TorchDispatchMode):
         self.step_ops = []
         self.segment = Segment()
         self.eager_ops = 0  # after the first step: ops run eagerly (sync points, random ops, changed floats)
+        self.eager_funcs = set()  # which, in the step now or last run
         self.deferred_ops = 0
         self.followed_ops = 0  # of those, the ops checked against a plan
         self.program_s = self.own_s = 0.0  # seconds in the programs (their compiles too), in the mode's own work
 
     def start_step(self):
         self.step_ops, self.segment, self.plan, self.index = [], Segment(), None, 0
+        self.eager_funcs = set()
         self.diverged = self.stream is None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -410,7 +412,9 @@ class Deferring(TorchDispatchMode):
             out = self._eager(func, args, kwargs)
             self.step_ops.append((func, _meta(out), floats))
             self.index += 1
-            self.eager_ops += self.stream is not None
+            if self.stream is not None:
+                self.eager_ops += 1
+                self.eager_funcs.add(func)
             return out
         if not self.segment.key:
             self.segment.start = self.index

@@ -295,11 +295,11 @@ def test_the_stream_bench_follows_where_each_tensor_comes_from_and_what_changes_
     assert step_stream.summarize(steps)["varying"] == {"mul": 1}
 
 
-def _deferred_steps(compiled, steps=4, factors=(), swapped=(), scanned=False, engine_dir=None):
+def _deferred_steps(compiled, steps=4, factors=(), swapped=(), scanned=False, engine_dir=None, adamw=False):
     """A small float64 model trained eagerly and under bench/deferred_step.py's Deferring, step for step (step k's
     scalar factor ``factors[k]``, else 2.0; in the steps ``swapped``, a difference's operands the other way round).
     With ``engine_dir``, a third copy, in float32, trains under the engine as a trainer (logs in that folder) and
-    takes the eager copy's place in what each step yields."""
+    takes the eager copy's place in what each step yields. ``adamw``: AdamW (foreach) rather than SGD."""
     import torch
 
     import deferred_step
@@ -310,6 +310,8 @@ def _deferred_steps(compiled, steps=4, factors=(), swapped=(), scanned=False, en
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
                                     torch.nn.Linear(8, 3)).to(dtype)
+        if adamw:
+            return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=1e-2, foreach=True)
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=True)
 
     def step(model, opt, x, y, factor, swap):
@@ -384,8 +386,25 @@ def test_a_deferred_segment_seen_before_follows_its_plan_and_leaves_it_where_an_
     assert per_step[6] == per_step[2] and per_step[7] < per_step[2], per_step
 
 
-@pytest.mark.parametrize("scanned", [False, True], ids=["rounded", "scanned"])
-def test_the_deferred_steps_compiled_programs_compute_the_engines_step(tmp_path, scanned):
+def test_adamws_changing_step_sizes_are_a_programs_input_not_an_eager_op():
+    """AdamW's step sizes and bias corrections change every step; the two ops that take them (the foreach addcdiv and
+    div) are deferred with their floats as the program's input, through ops that take them as tensors, and the
+    weights stay the eager step's, bit for bit. Only the sync points (each parameter's step count read twice, and
+    the loss) run eagerly."""
+    import torch
+
+    aten = torch.ops.aten
+    for k, (a, b, eager, deferred, mode) in enumerate(_deferred_steps(compiled=False, steps=5, adamw=True)):
+        assert a == b, k
+        for (name, p), q in zip(eager.state_dict().items(), deferred.state_dict().values()):
+            assert torch.equal(p, q), (k, name)
+    assert mode.eager_funcs == {aten._local_scalar_dense.default}, mode.eager_funcs
+    assert mode.followed_ops > 100, mode.followed_ops
+
+
+@pytest.mark.parametrize("scanned, adamw", [(False, False), (True, False), (False, True)],
+                         ids=["rounded", "scanned", "rounded-adamw"])
+def test_the_deferred_steps_compiled_programs_compute_the_engines_step(tmp_path, scanned, adamw):
     """bench/deferred_step.py's compiled runs cost what they would cost only if they compute what the engine does:
     their weights, BatchNorm's statistics and losses are a float32 copy's under the engine's trainer, bit for bit,
     in every step. That needs every rounding the engine makes, a decomposition's steps (BatchNorm, the
@@ -394,7 +413,7 @@ def test_the_deferred_steps_compiled_programs_compute_the_engines_step(tmp_path,
     import torch
 
     for k, (a, b, engine, deferred, mode) in enumerate(_deferred_steps(compiled=True, steps=5, scanned=scanned,
-                                                                        engine_dir=str(tmp_path))):
+                                                                        engine_dir=str(tmp_path), adamw=adamw)):
         assert a == b, k
         for (name, p), q in zip(engine.state_dict().items(), deferred.state_dict().values()):
             assert torch.equal(p.double(), q) if p.is_floating_point() else torch.equal(p, q), (k, name)

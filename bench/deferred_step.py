@@ -138,7 +138,7 @@ class _Rounding(TorchDispatchMode):
 
 def _decomposed(func, scanned: bool):
     """``func`` computed as the engine computes it, for a program to trace: its decomposition's steps, each rounded
-    (and, ``scanned``, tested); returns (its result, the count of its candidates or None)."""
+    (and, ``scanned``, tested); returns (its result, the count of its candidates: 0 where it does not scan)."""
     decomposition = decompositions.lookup(func)
 
     def run(*args, **kwargs):

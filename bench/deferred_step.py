@@ -403,9 +403,9 @@ class Deferring(TorchDispatchMode):
             self._leave_plan()  # the ops that matched are the segment; this one goes the general way
         leaves, spec = _flatten_call(args, kwargs)
         floats = tuple(x for x in leaves if type(x) is float)
-        # an op whose float arguments changed since the last step (AdamW's step sizes) runs eagerly: a program takes
-        # its floats as constants (torch.compile specializes an aten op's scalar arguments: each step would compile
-        # again); one that takes them as inputs needs them as tensors (fused.FusedKernels does so)
+        # an op whose float arguments changed since the last step runs eagerly: a program takes its floats as
+        # constants (torch.compile specializes an aten op's scalar arguments: each step would compile again), except
+        # the ops of _FLOATS_AS_INPUT (AdamW's step sizes), which take theirs as a program input
         if self.diverged or not _deferrable(func) or spec[0] != "call" or \
                 (floats != self.stream[self.index][2] and func not in _FLOATS_AS_INPUT):
             self.flush()

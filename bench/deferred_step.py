@@ -28,6 +28,8 @@ first step's stream run eagerly (rounded, not scanned) after the deferred ops be
 is matched against its plan (``Plan``) as its ops come: each op's tensors checked by memory against the recorded
 wiring, its constants by value, nothing else rebuilt; an op that differs ends the plan there. What the route
 would still need is docs/SPEED.md's. Writes the "Deferred steps" section of bench/RESULTS.md unless --no-write.
+``--native-composites --no-write``: the compiled runs with BatchNorm and the softmaxes as ATen's kernels (unrounded
+inside), to see what the engine's decompositions cost in a program.
 """
 
 from __future__ import annotations
@@ -102,9 +104,13 @@ def _float32_scalars(args, kwargs):
     return _unflatten_call([float(np.float32(x)) if type(x) is float and math.isfinite(x) else x for x in leaves], spec)
 
 
+NATIVE_COMPOSITES = False  # --native-composites: BatchNorm and the softmaxes as ATen's kernels, for comparison
+
+
 def _decomposes(func, args, kwargs) -> bool:
     """Whether the engine computes ``func`` as its decomposition's steps (BatchNorm, the softmaxes: decompositions.py)."""
-    return _rule(func, args, kwargs).kind == rules.DECOMPOSE and decompositions.lookup(func) is not None
+    return not NATIVE_COMPOSITES and _rule(func, args, kwargs).kind == rules.DECOMPOSE \
+        and decompositions.lookup(func) is not None
 
 
 class _Rounding(TorchDispatchMode):
@@ -670,11 +676,22 @@ def markdown(results: dict, descriptions: dict, command: str, machine: str) -> s
 
 
 def main(argv=None):
+    global NATIVE_COMPOSITES
+    import argparse
+
     from veritrain import hardware
 
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--native-composites", action="store_true", help="the compiled runs' BatchNorm and softmaxes as "
+                    "ATen's kernels, not the engine's decompositions: what those cost in a program, by difference")
+    known, rest = ap.parse_known_args(argv)
+    NATIVE_COMPOSITES = known.native_composites
+    if NATIVE_COMPOSITES and "--no-write" not in rest:
+        ap.error("--native-composites is a comparison run, not the section: add --no-write")
     os.environ["VERITRAIN_COMPILE"] = "0"  # the rules' helpers as eager ops (as bench/step_graph_bound.py)
     hardware.apply_process_settings()
-    workload_bench("deferred_step.py", __doc__.splitlines()[0], "resnet,digits", 8, measure, markdown, argv)
+    workload_bench("deferred_step.py", __doc__.splitlines()[0], "resnet,digits", 8, measure, markdown,
+                   argv if argv is not None else rest)
 
 
 if __name__ == "__main__":

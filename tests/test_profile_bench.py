@@ -429,3 +429,20 @@ def test_the_deferred_steps_compiled_programs_round_and_compile_once():
         for p in deferred.parameters():
             assert bool((p == p.float().double()).all())
     assert programs[-1] == programs[-2] == programs[-3] and mode.deferred_ops > 100, programs
+
+
+def test_the_deferred_benchs_native_composites_run_is_a_comparison_that_keeps_atens_kernels(monkeypatch):
+    """--native-composites (what the engine's decompositions cost in a program, by difference) turns them off and
+    refuses to write the section, which holds the engine's semantics."""
+    import torch
+
+    import deferred_step
+
+    monkeypatch.setattr(deferred_step, "NATIVE_COMPOSITES", False)
+    x = torch.zeros(4, 3, dtype=torch.float64)
+    args = (x, None, None, None, None, True, 0.1, 1e-5)
+    assert deferred_step._decomposes(torch.ops.aten.native_batch_norm.default, args, {})
+    with pytest.raises(SystemExit):
+        deferred_step.main(["--native-composites", "--workloads", "resnet"])
+    assert deferred_step.NATIVE_COMPOSITES
+    assert not deferred_step._decomposes(torch.ops.aten.native_batch_norm.default, args, {})

@@ -1,8 +1,10 @@
 """The error scales of a convolution and its backward (rules.scale_for) at the default-size ResNet's
 shapes (batch 16, width 8), median microseconds per call: in full (the trainer's scan needs every element's),
 and at four positions of each output (the auditor reads the outputs with log entries); then the sums of squares those scales are made of
-(fused.sum_of_squares, fused.vector_norm) compiled and eager, at sizes around fused.SQUARES_MIN_NUMEL:
-the figures docs/SPEED.md quotes.
+(fused.sum_of_squares, fused.vector_norm) compiled and eager, at sizes around fused.SQUARES_MIN_NUMEL; then a
+weight gradient's channel norms and an output's patch norms at some positions against in full, at ResNet-18's
+shapes (the auditor's checks of entries ask for them; where the gather stops paying, rules.GATHER_SHARE,
+GATHER_NUMPY_NUMEL and PATCH_GATHER_COST): the figures docs/SPEED.md quotes.
 
     python bench/bench_conv_scales.py [--reps 30]
 
@@ -55,6 +57,7 @@ def main():
         print(f"| {n} x {c} x {h} x {w} | {s} | " + " | ".join(f"{t:.0f}" for t in times) + " |")
     print("| all five | | " + " | ".join(f"{t:.0f}" for t in totals) + " |")
     squares(reps)
+    factors_at(reps)
     print(f"\n{torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
 
 
@@ -96,6 +99,41 @@ def squares(reps):
         norm = median_us(lambda: torch.linalg.vector_norm(x, dim=dims, keepdim=True), reps)
         name = " x ".join(map(str, shape))
         print(f"| {name} ({x.numel()} values) | {dims} | {compiled:.0f} | {eager:.0f} | {inner:.0f} | {norm:.0f} |")
+
+
+def factors_at(reps):
+    """rules.ChannelNorm and rules.PatchNorm at a few positions (the auditor's entries): as the rules choose
+    (gathered, or in full past their thresholds) and always gathered, against in full, median microseconds per
+    call; a new factor each call, so nothing computed before is reused."""
+    import numpy as np
+
+    def at(make, host, gather_always):
+        saved = rules.GATHER_SHARE
+        rules.GATHER_SHARE = float("inf") if gather_always else saved
+        try:
+            return median_us(lambda: make().at(host), reps)
+        finally:
+            rules.GATHER_SHARE = saved
+
+    print("\n| tensor (N x C x H x W) | factor | in full (us) | asked for | as chosen (us) | gathered (us) |"
+          "\n| --- | --- | --- | --- | --- | --- |")
+    rs = np.random.RandomState(0)
+    for n, c, h, w in [(16, 64, 32, 32), (16, 128, 16, 16), (16, 256, 8, 8), (16, 512, 4, 4)]:
+        x = torch.randn(n, c, h, w, dtype=torch.float64)
+        name = f"{n} x {c} x {h} x {w}"
+        channels = lambda: rules.ChannelNorm(x, 1, 1, 4)  # noqa: E731
+        full = median_us(lambda: channels().full(), reps)
+        for k in (1, c // 16, c // 8, c // 4):
+            host = (np.zeros(k, np.int64), rs.choice(c, k, replace=False), np.zeros(k, np.int64), np.zeros(k, np.int64))
+            print(f"| {name} | channel norms | {full:.0f} | {k} channels | {at(channels, host, False):.0f} | "
+                  f"{at(channels, host, True):.0f} |")
+        patches = lambda: rules.PatchNorm(x, (3, 3), 1, 1, 1)  # noqa: E731
+        full = median_us(lambda: patches().full(), reps)
+        for share in (0.01, 0.05, 0.1, 0.2):
+            k = max(1, int(share * n * h * w / 9))  # positions whose patches hold this share of x's values
+            host = (rs.randint(0, n, k), np.zeros(k, np.int64), rs.randint(0, h, k), rs.randint(0, w, k))
+            print(f"| {name} | patch norms | {full:.0f} | {k} positions ({share:.0%} of x) | "
+                  f"{at(patches, host, False):.0f} | {at(patches, host, True):.0f} |")
 
 
 if __name__ == "__main__":

@@ -413,11 +413,14 @@ def test_a_convolution_backwards_scales_are_computed_for_the_outputs_asked_for()
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_a_convolutions_channel_norms_at_a_few_positions_follow_the_definition(groups, monkeypatch):
+@pytest.mark.parametrize("gather", ["numpy", "torch"])
+def test_a_convolutions_channel_norms_at_a_few_positions_follow_the_definition(groups, gather, monkeypatch):
     """rules.ChannelNorm (a convolution weight gradient's scale factors): ||x|| over batch and positions per
     channel, the largest over the groups for a grouped convolution's input, along the output dimension it
-    indexes. At a few positions only their channels are read; the full norms give the same values, and once
-    computed they are read instead of x."""
+    indexes. At a few positions only their channels are read (gathered in NumPy up to GATHER_NUMPY_NUMEL
+    values, in torch beyond); the full norms give the same values, and once computed they are read instead of
+    x."""
+    monkeypatch.setattr(rules, "GATHER_NUMPY_NUMEL", 1 << 62 if gather == "numpy" else 0)
     torch.manual_seed(6)
     x = torch.randn(4, 6, 5, 7, dtype=torch.float64)
     want = torch.linalg.vector_norm(x, dim=[0, 2, 3]).reshape(groups, -1).amax(0)  # (6 / groups,)

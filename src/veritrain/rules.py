@@ -142,6 +142,10 @@ class NormFactor:
 
 
 GATHER_SHARE = 0.25  # a lazy factor at a few positions gathers their values while they are below this share of x
+GATHER_NUMPY_NUMEL = 1 << 16  # ChannelNorm.at gathers up to this many values in NumPy, more in torch
+# a patch value gathered costs about this many of the full norms' values (NumPy's fancy index over a window and all
+# channels, against a sum of squares and a one-channel convolution): python bench/bench_conv_scales.py, its last table
+PATCH_GATHER_COST = 2.5
 
 
 class PatchNorm:
@@ -184,7 +188,7 @@ class PatchNorm:
         if self._full is not None:  # the trainer's kernel needed every norm: they are computed already
             return _element_at(self._full, host, len(n))
         offsets = _window(self.kernel)  # (dims, window)
-        if len(n) * offsets.shape[1] * x.shape[1] >= GATHER_SHARE * x.numel():  # many: one pass over x is cheaper
+        if PATCH_GATHER_COST * len(n) * offsets.shape[1] * x.shape[1] >= GATHER_SHARE * x.numel():  # many: in full
             self.full()
             return self.at(host)
         valid = np.ones((len(n), offsets.shape[1]), bool)
@@ -253,13 +257,17 @@ class ChannelNorm:
         inverse = np.searchsorted(wanted, ch)  # (np.unique's return_inverse costs several times more)
         per_group = self.x.shape[1] // self.groups
         rows = (np.arange(self.groups)[:, None] * per_group + wanted).reshape(-1)
-        others = (0, *range(2, self.x.dim()))
-        if dev.type == "cpu":  # a few channels: NumPy's dispatch costs less than torch's
-            sel = self.x.detach().numpy()[:, rows]
+        x = self.x.detach()
+        others = (0, *range(2, x.dim()))
+        if dev.type == "cpu" and len(rows) * (x.numel() // x.shape[1]) <= GATHER_NUMPY_NUMEL:
+            sel = x.numpy()[:, rows]  # a few values: NumPy's dispatch costs less than torch's
             norms = np.sqrt((sel * sel).sum(others)).reshape(self.groups, -1).max(0)
             return torch.from_numpy(norms[inverse])
-        sel = self.x[:, torch.from_numpy(rows).to(dev)]
-        norms = torch.linalg.vector_norm(sel, dim=others).reshape(self.groups, -1).amax(0)
+        # more: the channels' rows of positions copied whole (each contiguous in an NCHW x), each row's norm over
+        # its positions at memory speed, the batch's summed. NumPy's gather of a middle axis and its sum over
+        # outer ones took 3x the full norms' time for 8 of 64 channels (python bench/bench_conv_scales.py)
+        sel = x.reshape(x.shape[0], x.shape[1], -1).index_select(1, torch.from_numpy(rows).to(dev))
+        norms = torch.linalg.vector_norm(sel, dim=2).square_().sum(0).sqrt_().reshape(self.groups, -1).amax(0)
         return norms[torch.from_numpy(inverse).to(dev)]
 
 

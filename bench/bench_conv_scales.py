@@ -1,5 +1,5 @@
 """The error scales of a convolution and its backward (rules.scale_for) at the default-size ResNet's
-shapes (batch 16, width 8), median microseconds per call: in full (the trainer's scan needs every element's),
+shapes (batch 16, width 8) and two of ResNet-18's, median microseconds per call: in full (the trainer's scan needs every element's),
 and at four positions of each output (the auditor reads the outputs with log entries); then the sums of squares those scales are made of
 (fused.sum_of_squares, fused.vector_norm) compiled and eager, at sizes around fused.SQUARES_MIN_NUMEL; then a
 weight gradient's channel norms and an output's patch norms at some positions against in full, at ResNet-18's
@@ -21,6 +21,7 @@ from veritrain import fused, rules
 aten = torch.ops.aten
 SHAPES = [(16, 8, 32, 32, 8, 1), (16, 16, 16, 16, 16, 1), (16, 32, 8, 8, 32, 1), (16, 64, 4, 4, 64, 1),
           (16, 8, 32, 32, 16, 2)]  # input N, C, H, W; output channels; stride (3x3 kernels, padding 1)
+FULL_SIZE = [(16, 256, 8, 8, 256, 1), (16, 512, 4, 4, 512, 1)]  # two of ResNet-18's (standard width) layers
 
 
 def median_us(fn, reps):
@@ -42,7 +43,7 @@ def main():
     print("| input | stride | forward scale (us) | backward scales (us) | forward, at 4 positions (us) | "
           "backward, at 4 positions of each (us) |\n| --- | --- | --- | --- | --- | --- |")
     totals = [0.0] * 4
-    for n, c, h, w, o, s in SHAPES:
+    for n, c, h, w, o, s in SHAPES + FULL_SIZE:
         x, wt = torch.randn(n, c, h, w, dtype=torch.float64), torch.randn(o, c, 3, 3, dtype=torch.float64)
         conv = (wt, None, [s, s], [1, 1], [1, 1], False, [0, 0], 1)
         y = aten.convolution(x, *conv)
@@ -53,9 +54,11 @@ def main():
         rf, rb = rules.lookup(aten.convolution.default), rules.lookup(aten.convolution_backward.default)
         times = [median_us(lambda: full_scales(rf, fwd), reps), median_us(lambda: full_scales(rb, bwd), reps),
                  median_us(lambda: scales_at(rf, fwd), reps), median_us(lambda: scales_at(rb, bwd), reps)]
-        totals = [a + b for a, b in zip(totals, times)]
+        if (n, c, h, w, o, s) in SHAPES:
+            totals = [a + b for a, b in zip(totals, times)]
         print(f"| {n} x {c} x {h} x {w} | {s} | " + " | ".join(f"{t:.0f}" for t in times) + " |")
-    print("| all five | | " + " | ".join(f"{t:.0f}" for t in totals) + " |")
+        if (n, c, h, w, o, s) == SHAPES[-1]:
+            print("| all five | | " + " | ".join(f"{t:.0f}" for t in totals) + " |")
     squares(reps)
     factors_at(reps)
     print(f"\n{torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
@@ -81,24 +84,26 @@ def scales_at(rule, call):
 
 
 def squares(reps):
-    """One sum of squares over outer dimensions: the compiled kernel (VERITRAIN_COMPILE=1), the eager sum of
-    squares in one sum and innermost dimensions first (fused._eager_squares: the "channel norms" over [0, 2, 3]),
-    and ATen's norm, median microseconds per call."""
-    import os
-
-    print("\n| tensor | over | compiled (us) | eager (x * x).sum (us) | eager, innermost first (us) | ATen norm (us) |"
-          "\n| --- | --- | --- | --- | --- | --- |")
+    """One sum of squares over some dimensions: the compiled kernel, the eager sum of squares in one sum and
+    innermost dimensions first (fused._eager_squares: the "channel norms" over [0, 2, 3]), ATen's norm, and
+    fused.sum_of_squares as it chooses between them by default, median microseconds per call."""
+    print("\n| tensor | over | compiled (us) | eager (x * x).sum (us) | eager, innermost first (us) | ATen norm (us) | "
+          "as chosen (us) |\n| --- | --- | --- | --- | --- | --- | --- |")
     for shape, dims in [((16, 8, 32, 32), [1]), ((16, 8, 32, 32), [0, 2, 3]), ((16, 16, 16, 16), [0, 2, 3]), ((8, 64, 768), [0]),
-                        ((512, 3072), [0]), ((64, 64, 32, 32), [0, 2, 3])]:
+                        ((512, 3072), [0]), ((64, 64, 32, 32), [0, 2, 3]), ((512, 512, 3, 3), [0, 2, 3])]:
         x = torch.randn(shape, dtype=torch.float64)
-        os.environ["VERITRAIN_COMPILE"] = "1"
-        compiled = median_us(lambda: fused.sum_of_squares(x, dims), reps)
-        os.environ.pop("VERITRAIN_COMPILE")
+        sizes, reduced = fused.merged_view(x.shape, dims)
+        view = x.view(sizes)
+        kernel = lambda: fused._run_pattern(fused.SQUARES, (len(sizes), reduced), "sum of squares",  # noqa: E731
+                                            "(x * x).sum({reduced!r})", view)
+        compiled = median_us(kernel, reps)
         eager = median_us(lambda: (x * x).sum(dims, keepdim=True), reps)
         inner = median_us(lambda: fused._eager_squares(x, dims), reps)
         norm = median_us(lambda: torch.linalg.vector_norm(x, dim=dims, keepdim=True), reps)
+        chosen = median_us(lambda: fused.sum_of_squares(x, dims), reps)
         name = " x ".join(map(str, shape))
-        print(f"| {name} ({x.numel()} values) | {dims} | {compiled:.0f} | {eager:.0f} | {inner:.0f} | {norm:.0f} |")
+        print(f"| {name} ({x.numel()} values) | {dims} | {compiled:.0f} | {eager:.0f} | {inner:.0f} | {norm:.0f} | "
+              f"{chosen:.0f} |")
 
 
 def factors_at(reps):

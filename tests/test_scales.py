@@ -477,3 +477,21 @@ def test_a_convolutions_scales_follow_their_definitions(groups, stride, monkeypa
             at = scale.at(torch.arange(out.numel()), out.shape)
             assert torch.allclose(at, want.expand(out.shape).reshape(-1), rtol=1e-12, atol=0)
             assert torch.allclose(rules.materialize_scale(scale, out), want.expand(out.shape), rtol=1e-12, atol=0)
+
+
+def test_a_sum_of_squares_over_a_contiguous_tensors_innermost_dimension_is_never_compiled(monkeypatch):
+    """fused._compiled_squares leaves a reduction that includes a contiguous tensor's innermost dimension to the
+    eager trailing-first sum (faster there: python bench/bench_conv_scales.py, its second table), and compiles
+    the others where compiled paths are on: outer dimensions only, or a transposed tensor's."""
+    from veritrain import fused
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+    compiled = []
+    monkeypatch.setattr(fused, "_run_pattern", lambda *a: compiled.append(a[1]))  # None: the eager sum follows
+    x = torch.randn(4, 5, 6, 7, dtype=torch.float64)
+    for dims in ([0, 2, 3], [3], [1, 2, 3]):
+        assert torch.allclose(fused.sum_of_squares(x, dims), (x * x).sum(dims, keepdim=True), rtol=1e-14, atol=0)
+    assert compiled == []
+    fused.sum_of_squares(x, [0, 1])
+    fused.sum_of_squares(x.transpose(1, 3), [0, 2, 3])
+    assert len(compiled) == 2

@@ -472,7 +472,7 @@ def _eager_squares(x: torch.Tensor, dims) -> torch.Tensor:
     ``x * x`` writes a temporary as large as x first; what is left after it is small. A channel's norm over an
     NCHW activation's batch and positions took a third to a half of the time of one sum over all three, and the
     norm over the trailing dimensions (squared) a third of the time of their sum of squares (python
-    bench/bench_conv_scales.py, its last table). The square of a norm differs from the sum of squares in its
+    bench/bench_conv_scales.py, its second table). The square of a norm differs from the sum of squares in its
     last bits, as another summation order does (an error-model input: the auditor's tolerance absorbs it)."""
     nd = x.dim()
     dims = sorted({d % nd for d in dims}) if nd else []

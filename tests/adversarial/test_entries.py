@@ -415,3 +415,53 @@ def test_a_moved_batchnorm_mean_inside_a_captured_region_is_rejected(tmp_path, m
     assert not r["accepted"] and r["suspicious"] >= 1, r["reasons"]
     first = r["suspicious_details"][0]
     assert "mean.dim" in first["op"] and first["kind"] == "value", r["suspicious_details"][:2]
+
+
+@pytest.mark.parametrize("gather", ["numpy", "torch"])
+def test_roundings_flipped_in_a_convolutions_gradients_are_rejected(tmp_path, monkeypatch, gather):
+    """A trainer that flips the rounding of results between 1.1 tau and 1.9 tau from a midpoint in a backward
+    convolution's gradients, trains on them and logs them as direction entries. The auditor's tau there comes
+    from lazy factors at the entries' positions (rules._convolution_backward): for the weight gradient the
+    channel norms of the output gradient and of the input (rules.ChannelNorm), for the input gradient the
+    output gradient's patch norms times each input channel's weight norm; a tau twice too large would let
+    every flip through. Results that close to a midpoint are rare where tau is small against the grid, so the
+    flips land in the weight gradients (long sums), and in the input gradients only where one is found.
+    Rejected by an auditor on another variant, and by one whose channel norms are gathered in torch (more
+    values than rules.GATHER_NUMPY_NUMEL; digits-cnn's are below it)."""
+    from veritrain import rules
+    from veritrain.runner import audit
+
+    orig = VerifiedMode._record
+    flipped = []
+
+    def record(self, slot, c):
+        e = orig(self, slot, c)
+        if self.step < 1 or not isinstance(slot, _EagerSlot) or slot.index > 1 \
+                or slot.analysis.call.func is not torch.ops.aten.convolution_backward.default:
+            return e
+        y = slot.y64.reshape(-1)
+        tau = c * UNIT_ROUNDOFF * slot.scale().reshape(-1)
+        dist = GRID.midpoint_distance(y)
+        chosen = torch.isfinite(y) & (dist > 1.1 * tau) & (dist < 1.9 * tau) & (tau < GRID.spacing_at(y) / 8)
+        pos = free_positions(chosen, e, 5)
+        if not len(pos):
+            return e
+        away = ~(GRID.round(y[pos]).double().abs() > y[pos].abs())  # the other neighbour
+        slot.y32.view(-1)[pos] = GRID.apply_direction(y[pos], away)
+        add_direction_entries(e, pos, away)
+        flipped.append((slot.index, len(pos)))
+        return e
+
+    monkeypatch.setattr(VerifiedMode, "_record", record)
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
+    monkeypatch.undo()
+    assert 1 in {i for i, _ in flipped}, f"no flip in a weight gradient: {flipped}"
+    if gather == "numpy":
+        r = audit_json(run, "combo")
+        assert not r["accepted"] and r["suspicious"] == sum(n for _, n in flipped), r["suspicious_details"][:3]
+        assert {d["kind"] for d in r["suspicious_details"]} == {"direction"}
+    else:
+        monkeypatch.setattr(rules, "GATHER_NUMPY_NUMEL", 0)
+        r = audit(str(run), progress=False)
+        assert not r.accepted and r.suspicious == sum(n for _, n in flipped), r.suspicious_details[:3]

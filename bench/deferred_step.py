@@ -54,7 +54,7 @@ from step_graph_bound import _PassThrough  # noqa: E402
 from step_stream import SYNC_OPS, _name  # noqa: E402
 from veritrain import decompositions, rules  # noqa: E402
 from veritrain.capture import argument_source  # noqa: E402
-from veritrain.engine import EngineConfig, _flatten_call, _named, _unflatten_call  # noqa: E402
+from veritrain.engine import EngineConfig, _flatten_call, _named, _unflatten_call, rule_of  # noqa: E402
 from veritrain.rounding import Grid, stability_flag  # noqa: E402
 from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
 from veritrain.task import build  # noqa: E402
@@ -67,7 +67,7 @@ THRESHOLDS = EngineConfig().thresholds
 def _rule(func, args, kwargs):
     """``func``'s rule as the engine picks it (some rows choose by the arguments: an add with alpha 1 is exact)."""
     fixed = _fixed_rule(func)
-    return fixed if fixed is not None else rules.lookup(func, _named(func, args, kwargs))
+    return fixed if fixed is not None else rule_of(func, args, kwargs)
 
 
 def _rounds(func, args, kwargs) -> bool:
@@ -163,8 +163,6 @@ def _scaler(func, rule):
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         scales = []
         for y, s in zip(outs, rules.scale_for(rule, rules.Call(func, args, kwargs, outs))):
-            if isinstance(s, rules.Deferred):
-                s = s.compute()
             scales.append(rules.materialize_scale(s, y) if isinstance(y, torch.Tensor) and s is not None else None)
         return scales
     return scale

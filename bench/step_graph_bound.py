@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from profile_engine import each_workload, write_section  # noqa: E402
 from veritrain import rules  # noqa: E402
-from veritrain.engine import EngineConfig, _named  # noqa: E402
+from veritrain.engine import EngineConfig, rule_of  # noqa: E402
 from veritrain.rounding import Grid, stability_flag  # noqa: E402
 from veritrain.runner import _prepare_batch, _prepare_model  # noqa: E402
 from veritrain.task import build  # noqa: E402
@@ -95,9 +95,7 @@ class _Rounding(torch.fx.Interpreter):
         if not isinstance(target, torch._ops.OpOverload) or \
                 not any(isinstance(o, torch.Tensor) and o.dtype == torch.float64 for o in outs):
             return out
-        # the rule as the engine picks it (some rows choose by the arguments: an add with alpha 1 is exact)
-        row = rules.RULES.get(rules.base_name(target))
-        rule = rules.lookup(target, _named(target, args, kwargs) if isinstance(row, rules.Choose) else None)
+        rule = rule_of(target, args, kwargs)
         if rule is rules.FALLBACK_RULE:  # no rule of the engine's (inductor's prims): left as it is
             self.seen["no rule"].add(str(target))
             return out
@@ -112,8 +110,6 @@ class _Rounding(torch.fx.Interpreter):
             if not (isinstance(y, torch.Tensor) and y.dtype == torch.float64):
                 continue
             if scan:
-                if isinstance(s, rules.Deferred):
-                    s = s.compute()
                 if s is None:
                     raise RuntimeError(f"{target}: the rule gives no scale for output {k}")
                 self.flags.append(stability_flag(y, rules.materialize_scale(s, y), THRESHOLDS[rule.op_class]).sum())

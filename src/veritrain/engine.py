@@ -196,6 +196,13 @@ def _named(func, args, kwargs) -> dict:
     return d
 
 
+def rule_of(func, args, kwargs, name: str | None = None) -> rules.Rule:
+    """``func``'s rule as the engine picks it: a rules.Choose row chooses by the named arguments (an add with
+    alpha 1 is exact); the arguments are named only for such rows. ``name``: rules.base_name(func), if known."""
+    row = rules.RULES.get(name or rules.base_name(func))
+    return rules.lookup(func, _named(func, args, kwargs) if isinstance(row, rules.Choose) else None)
+
+
 # extra mutations the schema does not declare
 _UNDECLARED_MUTATIONS = {
     "native_batch_norm": lambda a: ["running_mean", "running_var"] if a.get("training")
@@ -589,9 +596,7 @@ class VerifiedMode(TorchDispatchMode):
         name = rules.base_name(func)
         if name in ("native_dropout", "native_dropout_backward"):
             return self._lower_dropout(func, args, kwargs)
-        row = rules.RULES.get(name)
-        named = _named(func, args, kwargs) if isinstance(row, rules.Choose) else None
-        rule = rules.lookup(func, named)
+        rule = rule_of(func, args, kwargs, name)
         if rule.kind == rules.PASSTHROUGH:
             return func(*args, **kwargs)
         if rule.kind == rules.UNSUPPORTED:

@@ -356,8 +356,10 @@ REL_SCALE = RelScale()
 
 
 def materialize_scale(s, y: torch.Tensor) -> torch.Tensor:
-    """Any scale scale_for gives (a tensor or number, LazyScale, RowSubset, RelScale) at full size for the
-    float64 result ``y``."""
+    """Any scale scale_for gives (a tensor or number, LazyScale, RowSubset, RelScale, or a Deferred one) at full
+    size for the float64 result ``y``."""
+    if isinstance(s, Deferred):
+        s = s.compute()
     if isinstance(s, RelScale):
         return s.materialize(y)
     if isinstance(s, (LazyScale, RowSubset)):

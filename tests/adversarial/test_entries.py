@@ -46,6 +46,22 @@ def add_direction_entries(e, pos: torch.Tensor, away: torch.Tensor):
     e.dir_pos, e.dir_bits = allpos[order], np.concatenate([e.dir_bits, away.numpy()])[order]
 
 
+def flip_beyond_the_bound(slot, e, c, limit: int) -> int:
+    """A dishonest trainer's move on one output: the rounding of up to ``limit`` results between 1.1 tau and
+    1.9 tau from a midpoint (no honest result within tau of ours rounds that way) flipped to the other
+    neighbour, trained on and logged as direction entries in ``e``. Returns how many."""
+    y = slot.y64.reshape(-1)
+    tau = c * UNIT_ROUNDOFF * slot.scale().reshape(-1)
+    dist = GRID.midpoint_distance(y)
+    chosen = torch.isfinite(y) & (dist > 1.1 * tau) & (dist < 1.9 * tau) & (tau < GRID.spacing_at(y) / 8)
+    pos = free_positions(chosen, e, limit)
+    if len(pos):
+        away = ~(GRID.round(y[pos]).double().abs() > y[pos].abs())  # the other neighbour
+        slot.y32.view(-1)[pos] = GRID.apply_direction(y[pos], away)
+        add_direction_entries(e, pos, away)
+    return len(pos)
+
+
 def dishonest_record(pushed: list, natural_only: bool):
     """VerifiedMode._record of a trainer that adds value entries at positions that need none.
 
@@ -261,18 +277,9 @@ def test_a_rounding_flipped_beyond_the_error_bound_is_rejected(tmp_path, monkeyp
         e = orig(self, slot, c)
         if self.step < 1 or not isinstance(slot, _EagerSlot) or slot.y64.numel() < 16:
             return e
-        y = slot.y64.reshape(-1)
-        tau = c * UNIT_ROUNDOFF * slot.scale().reshape(-1)
-        dist = GRID.midpoint_distance(y)
-        chosen = torch.isfinite(y) & (dist > 1.1 * tau) & (dist < 1.9 * tau) & (tau < GRID.spacing_at(y) / 8)
-        pos = free_positions(chosen, e, 20)
-        if not len(pos):
-            return e
-        y32 = slot.y32.view(-1)
-        away = ~(GRID.round(y[pos]).double().abs() > y[pos].abs())  # the other neighbour
-        y32[pos] = GRID.apply_direction(y[pos], away)
-        add_direction_entries(e, pos, away)
-        flipped.append(len(pos))
+        n = flip_beyond_the_bound(slot, e, c, 20)
+        if n:
+            flipped.append(n)
         return e
 
     monkeypatch.setattr(VerifiedMode, "_record", record)
@@ -439,17 +446,9 @@ def test_roundings_flipped_in_a_convolutions_gradients_are_rejected(tmp_path, mo
         if self.step < 1 or not isinstance(slot, _EagerSlot) or slot.index > 1 \
                 or slot.analysis.call.func is not torch.ops.aten.convolution_backward.default:
             return e
-        y = slot.y64.reshape(-1)
-        tau = c * UNIT_ROUNDOFF * slot.scale().reshape(-1)
-        dist = GRID.midpoint_distance(y)
-        chosen = torch.isfinite(y) & (dist > 1.1 * tau) & (dist < 1.9 * tau) & (tau < GRID.spacing_at(y) / 8)
-        pos = free_positions(chosen, e, 5)
-        if not len(pos):
-            return e
-        away = ~(GRID.round(y[pos]).double().abs() > y[pos].abs())  # the other neighbour
-        slot.y32.view(-1)[pos] = GRID.apply_direction(y[pos], away)
-        add_direction_entries(e, pos, away)
-        flipped.append((slot.index, len(pos)))
+        n = flip_beyond_the_bound(slot, e, c, 5)
+        if n:
+            flipped.append((slot.index, n))
         return e
 
     monkeypatch.setattr(VerifiedMode, "_record", record)

@@ -508,8 +508,8 @@ def _compiled_squares(x: torch.Tensor, dims):
     below SQUARES_MIN_NUMEL elements (VERITRAIN_COMPILE_MIN_NUMEL where set), not a permutation of a
     contiguous tensor (a transposed operand is one), or reduced over its innermost dimension (ATen's norms run
     at memory speed there, and _eager_squares takes them first on a contiguous x: a ResNet-18 weight's norms
-    over [0, 2, 3] took 1.6 ms that way and 2.1 ms compiled, python bench/bench_conv_scales.py, its second
-    table)."""
+    over [0, 2, 3] took 1.6 ms that way and 2.1 ms compiled, python bench/bench_conv_scales.py --reps 20,
+    its second table)."""
     if not x.dim() or not x.numel() or not compiled_path(x.numel(), x.device, "VERITRAIN_COMPILE_MIN_NUMEL",
                                                          SQUARES_MIN_NUMEL):
         return None

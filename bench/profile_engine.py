@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from veritrain import blocked, capture, engine, fused, logformat, rounding, rules  # noqa: E402
+from veritrain import blocked, capture, convolution, engine, fused, logformat, rounding, rules  # noqa: E402
 from veritrain.engine import EngineConfig, logged_step  # noqa: E402
 from veritrain.logformat import StepLogReader, StepLogWriter  # noqa: E402
 from veritrain.rounding import Grid  # noqa: E402
@@ -129,6 +129,7 @@ def _targets():
     return [
         (torch._ops.OpOverload, "__call__", "kernel"),
         (blocked, "mm", "kernel"),  # float64 matrix products block by block, their copies and norms
+        (convolution, "forward", "kernel"),  # forward convolutions by the input-gradient kernel (an op packet's call)
         (rounding.Grid, "round", "round"),
         (rounding.Grid, "candidates", "scan"),
         (engine._EagerSlot, "candidate_indices", "scan"),

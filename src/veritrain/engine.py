@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import accelerator, blocked, capture, decompositions, hardware, randomness, rules
+from . import accelerator, blocked, capture, convolution, decompositions, hardware, randomness, rules
 from .fused import Epilogues, FusedKernels, FusedSums, Unfusable, rows_of
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
 from .rounding import UNIT_ROUNDOFF, Grid, mask_positions
@@ -230,6 +230,8 @@ def _picked_nll(func, args, kwargs):
 
 
 _PICKED = {aten.nll_loss_forward.default, aten.nll_loss_backward.default}
+_CONVOLUTION_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding",
+                      "groups")
 _IGNORED_NAMESPACES = ("profiler",)
 _NOT_FUSED = object()
 _NO_POSITIONS = torch.zeros(0, dtype=torch.int64)  # a part of a packed result without candidates (_PartSlot)
@@ -807,6 +809,9 @@ class VerifiedMode(TorchDispatchMode):
             call_args, call_kwargs = args64, kwargs64
         kernel = accelerator.reorder_kernel(run) if self.emulate == "reorder" and rule.kind == rules.APPROX \
             and variant != "mutating" else None
+        if run is aten.convolution.default and self.emulate is None and self.probe is None \
+                and convolution.routed(*(named64[a] for a in _CONVOLUTION_ARGS)):
+            kernel = convolution.forward  # ATen's input-gradient kernel: faster where the patches outgrow the cache
         try:
             result = (kernel or run)(*call_args, **call_kwargs)
         except (NotImplementedError, RuntimeError) as e:

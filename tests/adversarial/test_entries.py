@@ -464,3 +464,33 @@ def test_roundings_flipped_in_a_convolutions_gradients_are_rejected(tmp_path, mo
         monkeypatch.setattr(rules, "GATHER_NUMPY_NUMEL", 0)
         r = audit(str(run), progress=False)
         assert not r.accepted and r.suspicious == sum(n for _, n in flipped), r.suspicious_details[:3]
+
+
+def test_roundings_flipped_in_a_forward_convolution_by_the_input_gradient_kernel_are_rejected(tmp_path, monkeypatch):
+    """The forward convolutions computed by ATen's input-gradient kernel (convolution.py; forced on for digits-cnn's
+    small ones) on both sides: a trainer that flips roundings between 1.1 and 1.9 tau from a midpoint in their
+    results, trains on them and logs them as direction entries, is rejected by an auditor on another variant that
+    computes them the same way, every flip counted. The kernel changes how the float64 result is computed, not
+    the auditor's checks of entries."""
+    orig = VerifiedMode._record
+    flipped = []
+
+    def record(self, slot, c):
+        e = orig(self, slot, c)
+        if self.step < 1 or not isinstance(slot, _EagerSlot) \
+                or slot.analysis.call.func is not torch.ops.aten.convolution.default:
+            return e
+        flipped.append(flip_beyond_the_bound(slot, e, c, 5))
+        return e
+
+    monkeypatch.setattr(VerifiedMode, "_record", record)
+    monkeypatch.setenv("VERITRAIN_CONV_MIN_NUMEL", "0")
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
+    monkeypatch.undo()
+    assert sum(flipped) > 0, flipped
+    monkeypatch.setenv("VERITRAIN_CONV_MIN_NUMEL", "0")  # the auditor's process computes them the same way
+    r = audit_json(run, "combo")
+    assert not r["accepted"] and r["suspicious"] == sum(flipped), r["suspicious_details"][:3]
+    assert {d["kind"] for d in r["suspicious_details"]} == {"direction"}
+    assert all("convolution.default" in d["op"] for d in r["suspicious_details"]), r["suspicious_details"][:3]

@@ -2,6 +2,7 @@
 shapes (batch 16, width 8) and two of ResNet-18's, median microseconds per call: in full (the trainer's scan needs every element's),
 and at four positions of each output (the auditor reads the outputs with log entries); then the sums of squares those scales are made of
 (fused.sum_of_squares, fused.vector_norm) compiled and eager, at sizes around fused.SQUARES_MIN_NUMEL; then a
+transposed operand's norms over its strided dimension; then a
 weight gradient's channel norms and an output's patch norms at some positions against in full, at ResNet-18's
 shapes (the auditor's checks of entries ask for them; where the gather stops paying, rules.GATHER_SHARE,
 GATHER_NUMPY_NUMEL and PATCH_GATHER_COST): the figures docs/SPEED.md quotes.
@@ -60,6 +61,7 @@ def main():
         if (n, c, h, w, o, s) == SHAPES[-1]:
             print("| all five | | " + " | ".join(f"{t:.0f}" for t in totals) + " |")
     squares(reps)
+    transposed(reps)
     factors_at(reps)
     print(f"\n{torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
 
@@ -104,6 +106,22 @@ def squares(reps):
         name = " x ".join(map(str, shape))
         print(f"| {name} ({x.numel()} values) | {dims} | {compiled:.0f} | {eager:.0f} | {inner:.0f} | {norm:.0f} | "
               f"{chosen:.0f} |")
+
+
+def transposed(reps):
+    """A transposed matrix product operand's norms over its strided dimension (a column norm of b = W^T, e.g.
+    GPT-2's tied embedding for the logits): the eager sum of squares on the view, ATen's norm on the view, and
+    fused.vector_norm as it chooses (in the memory's order: the stored matrix's row norms), median
+    microseconds per call."""
+    print("\n| stored | norm over | eager (x * x).sum (us) | ATen norm (us) | as chosen (us) |\n| --- | --- | --- | --- | "
+          "--- |")
+    for stored, dims in [((50257, 768), [0]), ((3072, 768), [0]), ((96, 64, 64), [1])]:
+        x = torch.randn(stored, dtype=torch.float64).transpose(-2, -1)
+        eager = median_us(lambda: (x * x).sum(dims, keepdim=True), reps)
+        norm = median_us(lambda: torch.linalg.vector_norm(x, dim=dims, keepdim=True), reps)
+        chosen = median_us(lambda: fused.vector_norm(x, dims), reps)
+        name = " x ".join(map(str, stored))
+        print(f"| {name}, transposed | {dims} | {eager:.0f} | {norm:.0f} | {chosen:.0f} |")
 
 
 def factors_at(reps):

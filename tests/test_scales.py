@@ -256,7 +256,7 @@ def test_norms_and_energies_follow_the_definition(shape, transpose, compiled, mo
 def test_the_eager_sum_of_squares_over_trailing_dimensions_first_is_the_sum_of_squares(dims, layout):
     """fused._eager_squares sums a contiguous tensor's trailing reduced dimensions first, then the others (a
     channel norm over an NCHW activation: [2, 3], then [0]): the same values as one sum, up to summation
-    order, in the same keepdim shape; other layouts take the one sum."""
+    order, in the same keepdim shape; a transposed tensor in its memory's order, the same way."""
     from veritrain.fused import _eager_squares
 
     torch.manual_seed(4)
@@ -267,6 +267,34 @@ def test_the_eager_sum_of_squares_over_trailing_dimensions_first_is_the_sum_of_s
     want = (x * x).sum(dims, keepdim=True)
     assert got.shape == want.shape
     assert torch.allclose(got, want, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("stored,dims", [((300, 70), [0]), ((300, 70), [1]), ((5, 40, 30), [1]), ((5, 40, 30), [0, 1])])
+def test_a_transposed_operands_norms_are_taken_in_its_memorys_order(stored, dims, monkeypatch):
+    """A transposed matrix product operand's column norms (GPT-2's tied embedding, transposed for the logits) are
+    its stored matrix's row norms: ATen's norm over the memory's innermost dimension reads it once, where the
+    eager sum of squares over the strided view ran 6x slower at GPT-2's vocabulary (python
+    bench/bench_conv_scales.py, its third table). The eager ops only, so the strided sum would be taken without
+    this; the values are the definition's, in the view's keepdim shape."""
+    monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", str(1 << 62))
+    torch.manual_seed(5)
+    x = torch.randn(stored, dtype=torch.float64).transpose(-2, -1)
+    strided = []
+    orig_mul = torch.Tensor.__mul__
+
+    def mul(a, b):
+        strided.append(not a.is_contiguous())
+        return orig_mul(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__mul__", mul)
+    got = vector_norm(x, dims)
+    energy = sum_of_squares(x, dims)
+    monkeypatch.undo()
+    assert not any(strided), "a sum of squares over the strided view"
+    want = torch.linalg.vector_norm(x, dim=dims, keepdim=True)
+    assert got.shape == energy.shape == want.shape and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-13, atol=0)
+    assert torch.allclose(energy, (x * x).sum(dims, keepdim=True), rtol=1e-13, atol=0)
 
 
 def test_norms_at_a_few_positions_reuse_the_full_norms_once_computed():

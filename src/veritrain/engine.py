@@ -230,8 +230,6 @@ def _picked_nll(func, args, kwargs):
 
 
 _PICKED = {aten.nll_loss_forward.default, aten.nll_loss_backward.default}
-_CONVOLUTION_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding",
-                      "groups")
 _IGNORED_NAMESPACES = ("profiler",)
 _NOT_FUSED = object()
 _NO_POSITIONS = torch.zeros(0, dtype=torch.int64)  # a part of a packed result without candidates (_PartSlot)
@@ -810,7 +808,7 @@ class VerifiedMode(TorchDispatchMode):
         kernel = accelerator.reorder_kernel(run) if self.emulate == "reorder" and rule.kind == rules.APPROX \
             and variant != "mutating" else None
         if run is aten.convolution.default and self.emulate is None and self.probe is None \
-                and convolution.routed(*(named64[a] for a in _CONVOLUTION_ARGS)):
+                and convolution.routed(**named64):
             kernel = convolution.forward  # ATen's input-gradient kernel: faster where the patches outgrow the cache
         try:
             result = (kernel or run)(*call_args, **call_kwargs)

@@ -27,6 +27,7 @@ import math
 import torch
 
 from .hardware import setting
+from .rules import _per_dim
 
 aten = torch.ops.aten
 
@@ -48,9 +49,9 @@ def routed(input, weight, bias, stride, padding, dilation, transposed, output_pa
     if bias is not None and (bias.dtype != torch.float64 or bias.shape != (w.shape[0],)):
         return False
     k = w.shape[2:]
-    if any(s != 1 for s in _pair(stride)) or any(d != 1 for d in _pair(dilation)):
+    if any(s != 1 for s in _per_dim(stride, 2)) or any(d != 1 for d in _per_dim(dilation, 2)):
         return False
-    pad = _pair(padding)
+    pad = _per_dim(padding, 2)
     if any(not 0 <= p <= kk - 1 for p, kk in zip(pad, k)):
         return False
     out = [size + 2 * p - kk + 1 for size, p, kk in zip(x.shape[2:], pad, k)]
@@ -63,7 +64,7 @@ def forward(input, weight, bias, stride, padding, dilation, transposed, output_p
     """``aten.convolution`` for arguments where ``routed`` holds, by the input-gradient kernel (see above)."""
     x, w = input, weight
     k = w.shape[2:]
-    pad = _pair(padding)
+    pad = _per_dim(padding, 2)
     out = (x.shape[0], w.shape[0]) + tuple(size + 2 * p - kk + 1 for size, p, kk in zip(x.shape[2:], pad, k))
     v = w.flip(2, 3).transpose(0, 1).contiguous()
     probe = x.new_zeros(()).expand(out)  # the input's shape; its values are not read
@@ -73,7 +74,3 @@ def forward(input, weight, bias, stride, padding, dilation, transposed, output_p
         y.add_(bias.view(1, -1, 1, 1))
     return y
 
-
-def _pair(v):
-    v = [int(v)] if isinstance(v, int) else [int(e) for e in v]
-    return v * 2 if len(v) == 1 else v

@@ -33,12 +33,17 @@ def _operands(case, seed=0, mixed=True):
 
 def test_each_split_is_the_float64_product_and_its_norms(monkeypatch):
     monkeypatch.setenv("VERITRAIN_COMPILE", "1")
-    for case in ("k", "m"):
+    for case, a_laid_out in (("k", False), ("m", False), ("m", True)):
         a, b = _operands(case)
+        if a_laid_out:  # a weight gradient's a stored in its own row order, not as a transposed view
+            a = a.contiguous()
+        assert a.is_contiguous() == (case == "k" or a_laid_out)
         assert blocked.split(a, b) == case
         a64, b64 = a.double(), b.double()
         ref = a64 @ b64
         for block in (1000, 1 << 14, 1 << 30):  # many blocks with a remainder, a few, one
+            y_only = blocked.mm(a, b, case, block, norms=False)
+            assert y_only[1:] == (None, None) and torch.equal(y_only[0], blocked.mm(a, b, case, block)[0])
             y, rows, cols = blocked.mm(a, b, case, block)
             assert y.dtype == torch.float64 and y.shape == ref.shape and y.is_contiguous()
             assert torch.allclose(rows, torch.linalg.vector_norm(a64, dim=1, keepdim=True), rtol=1e-13, atol=0)
@@ -83,31 +88,40 @@ def _audit(path, a, b, config=WIDE):
     return y, mode
 
 
-@pytest.mark.parametrize("case", ["k", "m"])
-def test_a_blocked_product_gives_the_eager_results_and_log(tmp_path, monkeypatch, case):
+# (split, threshold, whether the auditor's blocks take the norms): entries on a quarter of the large operand's
+# rows or more (48 rows of a in "k", 3001 in "m") make it take them in the blocks; fewer, it reads them at its
+# entries from the float32 operands (6 and 381 entries here)
+@pytest.mark.parametrize("case,c,auditor_norms", [("k", C, True), ("m", C, True), ("k", 64.0, False),
+                                                  ("m", 1024.0, False)])
+def test_a_blocked_product_gives_the_eager_results_and_log(tmp_path, monkeypatch, case, c, auditor_norms):
+    config = EngineConfig(thresholds={"accumulate": c})
     a, b = _operands(case)
     calls = []
     real = blocked.mm
-    monkeypatch.setattr(blocked, "mm", lambda *args: calls.append(args[2]) or real(*args))
+    monkeypatch.setattr(blocked, "mm", lambda *args, **kw: calls.append((args[2], kw["norms"])) or real(*args, **kw))
     _blocking(monkeypatch, True)
-    y_b, mode_b = _train(tmp_path / "b.vtlog", a, b)
-    assert calls == [case], "the blocked path ran"
+    y_b, mode_b = _train(tmp_path / "b.vtlog", a, b, config)
+    assert calls == [(case, True)], "the blocked path ran, taking the norms the trainer's scan reads"
     _blocking(monkeypatch, False)
-    y_e, mode_e = _train(tmp_path / "e.vtlog", a, b)
-    assert calls == [case]
+    y_e, mode_e = _train(tmp_path / "e.vtlog", a, b, config)
+    assert calls == [(case, True)]
     assert mode_e.stats.entries_total > 0, "the comparison covers log entries"
     assert torch.equal(y_b.view(torch.int32), y_e.view(torch.int32))
     assert (tmp_path / "b.vtlog").read_bytes() == (tmp_path / "e.vtlog").read_bytes()
     for blocked_auditor in (True, False):
         _blocking(monkeypatch, blocked_auditor)
         for log in ("b.vtlog", "e.vtlog"):
-            y_a, mode_a = _audit(tmp_path / log, a, b)
+            y_a, mode_a = _audit(tmp_path / log, a, b, config)
             assert mode_a.stats.suspicious_count == 0
+            assert mode_a.stats.entries_total == mode_e.stats.entries_total
             assert torch.equal(y_a.view(torch.int32), y_e.view(torch.int32))
+    assert calls[1:] == [(case, auditor_norms)] * 2
 
 
-@pytest.mark.parametrize("case,c", [("k", 2.0**17), ("m", 2.0**19)])  # tau about 1/16 of half a spacing
-def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, monkeypatch, case, c):
+# tau about 1/16 of half a spacing at 2**17 and 2**19; at 2**14 the auditor has few entries (about 240 over 3001
+# rows), so it reads the scale at them from the float32 operands, not from the blocks' norms
+@pytest.mark.parametrize("case,c,auditor_norms", [("k", 2.0**17, True), ("m", 2.0**19, True), ("m", 2.0**14, False)])
+def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, monkeypatch, case, c, auditor_norms):
     """The attacker adds direction entries that round the wrong way where the result lies between 1.2 and 1.9
     thresholds from a midpoint: inside the auditor's slack window (2 tau), so only the error scale the blocked
     product's norms give tells that no honest machine rounds there that way."""
@@ -126,6 +140,10 @@ def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, m
     assert len(targets) >= 5
     forge_wrong_directions(tmp_path / "t.vtlog", tmp_path / "forged.vtlog", targets, y64, tau)
 
+    calls = []
+    real = blocked.mm
+    monkeypatch.setattr(blocked, "mm", lambda *args, **kw: calls.append(kw["norms"]) or real(*args, **kw))
     _, mode = _audit(tmp_path / "forged.vtlog", a, b, config)
+    assert calls == [auditor_norms]
     assert mode.stats.suspicious_count == len(targets)  # every forged entry, and nothing else
     assert {s.position for s in mode.stats.suspicious} <= set(targets.tolist())  # the first few, in detail

@@ -314,6 +314,23 @@ def test_norms_at_a_few_positions_reuse_the_full_norms_once_computed():
         assert torch.equal(f.at(coords), want)
 
 
+def test_norms_of_a_float32_operand_are_taken_in_float64():
+    """An auditor's blocked matrix product (blocked.py) gives NormFactor its float32 operands, never copied to
+    float64 whole: the norms, at a few positions or in full, are still float64's (float32's own would overflow
+    past 1.8e19 and round to float32), for a transposed operand too."""
+    torch.manual_seed(4)
+    x = torch.randn(40, 300) * torch.tensor(1e30) ** torch.rand(40, 1)  # rows up to 1e30: float32 squares overflow
+    coords = [torch.tensor([0, 5, 5, 39]), torch.tensor([7, 7, 2, 0])]
+    for op in (x, x.t().contiguous().t()):
+        for dim in (0, 1):
+            want = torch.linalg.vector_norm(op.double(), dim=dim, keepdim=True)
+            full = rules.NormFactor(op, dim).full()
+            assert full.dtype == torch.float64 and torch.allclose(full, want, rtol=1e-13, atol=0)
+            at = rules.NormFactor(op, dim).at(coords)
+            picked = want[tuple(torch.zeros_like(c) if n == 1 else c for c, n in zip(coords, want.shape))]
+            assert at.dtype == torch.float64 and torch.allclose(at, picked, rtol=1e-13, atol=0)
+
+
 @pytest.mark.parametrize("n", [0, 5, 4096, 4099, 1 << 20])
 @pytest.mark.parametrize("density", [0.0, 1e-6, 1e-3, 0.3, 1.0])
 def test_a_masks_positions_are_its_nonzero_elements(n, density):

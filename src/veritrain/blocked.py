@@ -14,7 +14,12 @@ Two ways to split, chosen by the large operand's long dimension:
   with respect to a layer's input): y = sum over blocks of a[:, block] @ b[block], accumulated in float64,
   and the squared norms accumulated the same way.
 * ``m``: along the rows of a large ``a`` with M > K (the gradient with respect to a weight, a^T of the
-  logits' gradient): each block of rows of y is a[rows] @ b, written in place.
+  logits' gradient): each block of rows of y is a[rows] @ b, written in place. Where ``a`` is a transposed
+  view, as autograd passes it, a block of its rows is copied as the stored matrix's columns and multiplied
+  as a transposed view.
+
+The trainer scans every value of y, so it takes the norms in the blocks; an auditor reads the error scale at
+its entries only, and takes them there unless its entries are many (engine._try_blocked_mm).
 
 A large ``b`` with N > K (the logits themselves) is left to the eager path: its copy is small against the
 product, and splitting its columns was no faster in a one-off measurement.
@@ -57,9 +62,10 @@ def split(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return "k" if k >= n else None
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, how: str, block: int | None = None):
+def mm(a: torch.Tensor, b: torch.Tensor, how: str, block: int | None = None, norms: bool = True):
     """(y, ||rows of a|| as M x 1, ||columns of b|| as 1 x N), all float64, for float32 ``a`` (M x K) and ``b``
-    (K x N) split as ``how`` says (``split``); ``block`` float64 elements per operand block (BLOCK_NUMEL)."""
+    (K x N) split as ``how`` says (``split``); ``block`` float64 elements per operand block (BLOCK_NUMEL).
+    ``norms=False``: the two norms are None (an auditor reads its scales at a few positions only)."""
     (m, k), n = a.shape, b.shape[1]
     block = BLOCK_NUMEL if block is None else block
     y = torch.empty((m, n), dtype=torch.float64, device=a.device)
@@ -67,8 +73,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, how: str, block: int | None = None):
         width = max(1, min(k, block // max(m, n)))
         a_buf = torch.empty(m * width, dtype=torch.float64, device=a.device)
         b_buf = torch.empty(width * n, dtype=torch.float64, device=a.device)
-        rows = torch.zeros(m, dtype=torch.float64, device=a.device)
-        cols = torch.zeros(n, dtype=torch.float64, device=a.device)
+        rows = torch.zeros(m, dtype=torch.float64, device=a.device) if norms else None
+        cols = torch.zeros(n, dtype=torch.float64, device=a.device) if norms else None
         for k0 in range(0, k, width):
             w = min(width, k - k0)
             ab = a_buf[: m * w].view(m, w)
@@ -79,20 +85,43 @@ def mm(a: torch.Tensor, b: torch.Tensor, how: str, block: int | None = None):
                 torch.mm(ab, bb, out=y)
             else:
                 y.addmm_(ab, bb)
-            rows += ab.square().sum(1)
-            cols += bb.square().sum(0)
+            if norms:
+                rows += ab.square().sum(1)
+                cols += bb.square().sum(0)
+        if not norms:
+            return y, None, None
         return y, rows.sqrt_().view(m, 1), cols.sqrt_().view(1, n)
     if how != "m":
         raise ValueError(f"unknown split {how!r}")
     b64 = b.to(torch.float64)
     height = max(1, min(m, block // k))
-    a_buf = torch.empty(height * k, dtype=torch.float64, device=a.device)
-    rows = torch.empty(m, dtype=torch.float64, device=a.device)
-    for r0 in range(0, m, height):
-        h = min(height, m - r0)
-        ab = a_buf[: h * k].view(h, k)
-        ab.copy_(a[r0:r0 + h])
-        torch.mm(ab, b64, out=y[r0:r0 + h])
-        torch.linalg.vector_norm(ab, dim=1, out=rows[r0:r0 + h])
+    rows = torch.empty(m, dtype=torch.float64, device=a.device) if norms else None
+    if a.t().is_contiguous():
+        # a transposed operand (autograd's a^T of the logits' gradient): a block of its rows is a block of
+        # columns of the stored matrix, copied as K runs of contiguous values and multiplied as a transposed
+        # view (BLAS reads it as it lies), not gathered value by value into a's row order
+        stored = a.t()
+        buf = torch.empty(k * height, dtype=torch.float64, device=a.device)
+        square = torch.empty(k * height, dtype=torch.float64, device=a.device) if norms else None
+        for r0 in range(0, m, height):
+            h = min(height, m - r0)
+            cb = buf[: k * h].view(k, h)
+            cb.copy_(stored[:, r0:r0 + h])
+            torch.mm(cb.t(), b64, out=y[r0:r0 + h])
+            if norms:
+                torch.sum(torch.mul(cb, cb, out=square[: k * h].view(k, h)), 0, out=rows[r0:r0 + h])
+        if norms:
+            rows.sqrt_()
+    else:
+        a_buf = torch.empty(height * k, dtype=torch.float64, device=a.device)
+        for r0 in range(0, m, height):
+            h = min(height, m - r0)
+            ab = a_buf[: h * k].view(h, k)
+            ab.copy_(a[r0:r0 + h])
+            torch.mm(ab, b64, out=y[r0:r0 + h])
+            if norms:
+                torch.linalg.vector_norm(ab, dim=1, out=rows[r0:r0 + h])
+    if not norms:
+        return y, None, None
     cols = torch.linalg.vector_norm(b64, dim=0)
     return y, rows.view(m, 1), cols.view(1, n)

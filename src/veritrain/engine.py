@@ -1012,8 +1012,17 @@ class VerifiedMode(TorchDispatchMode):
         how = blocked.split(a, b)
         if how is None:
             return _NOT_FUSED
-        y, rows, cols = blocked.mm(a, b, how)
-        # rules._mm's scale, sqrt(k) ||row_i(a)|| ||col_j(b)||, from the norms the blocks computed
+        # rules._mm's scale, sqrt(k) ||row_i(a)|| ||col_j(b)||: the trainer scans every value, so the blocks
+        # take the norms while in cache. An auditor reads the scale at its entries alone, from those rows and
+        # columns of the float32 operands (rules.NormFactor), unless they reach a quarter of the large operand's
+        # (as in GPT-2's input gradient of the logits' product, ~480 entries over 512 rows), where the blocks' norms
+        # cost less than gathering them (NormFactor.at would take them all, from a whole float64 copy)
+        entries = sum(o.n_entries for o in record.outputs) if record is not None else 0
+        lines = b.shape[1] if b.numel() > a.numel() else a.shape[0]
+        in_blocks = self.writer is not None or 4 * entries >= lines
+        y, rows, cols = blocked.mm(a, b, how, norms=in_blocks)
+        if not in_blocks:
+            rows, cols = rules.NormFactor(a, -1), rules.NormFactor(b, -2)
         analysis = _Analysis(rules.Call(func, (a, b), {}, [y]), rule)
         analysis.scales = [rules.LazyScale([(rules._sqrt(a.shape[1]), [rows, cols])])]
         slot = _EagerSlot(y, analysis, 0, self.grid, self._epilogues())

@@ -113,7 +113,8 @@ def _arg_index(func):
 class NormFactor:
     """||x|| along ``dim``, kept with a size-1 ``dim`` so that it broadcasts against the output (the
     row norms of a matrix product's left operand, the column norms of its right one). Computed in full
-    only when every element needs its scale (the trainer); at a few positions otherwise."""
+    only when every element needs its scale (the trainer); at a few positions otherwise. Always in float64:
+    ``x`` may be a float32 operand the engine never copied whole (a blocked product's, blocked.py)."""
 
     __slots__ = ("x", "dim", "_full")
 
@@ -122,7 +123,7 @@ class NormFactor:
 
     def full(self) -> torch.Tensor:
         if self._full is None:
-            self._full = vector_norm(self.x, [self.dim])
+            self._full = vector_norm(self.x.to(torch.float64), [self.dim])
         return self._full
 
     def at(self, coords) -> torch.Tensor:
@@ -138,7 +139,8 @@ class NormFactor:
         if rows.numel() * 4 >= flat.new_tensor(outer).prod().item():  # most rows: one pass over x
             return self.full().reshape(-1)[flat]
         # gather the rows by their coordinates: x.reshape(-1, n) would copy all of x where dim is not its last
-        return torch.linalg.vector_norm(x[torch.unravel_index(rows, outer)].contiguous(), dim=-1)[inverse]
+        picked = x[torch.unravel_index(rows, outer)].to(torch.float64).contiguous()
+        return torch.linalg.vector_norm(picked, dim=-1)[inverse]
 
 
 GATHER_SHARE = 0.25  # a lazy factor at a few positions gathers their values while they are below this share of x

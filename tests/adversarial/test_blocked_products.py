@@ -37,7 +37,7 @@ config = EngineConfig(thresholds={"accumulate": float(sys.argv[2])})
 blocked.BLOCK_NUMEL = 1000
 calls = []
 real = blocked.mm
-blocked.mm = lambda *args: calls.append(args[2]) or real(*args)
+blocked.mm = lambda *args, **kw: calls.append(args[2]) or real(*args, **kw)
 result = {}
 for name in sys.argv[3:]:
     with StepLogReader(name, expect_step=0, expect_bits=32) as reader:

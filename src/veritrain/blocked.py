@@ -88,40 +88,37 @@ def mm(a: torch.Tensor, b: torch.Tensor, how: str, block: int | None = None, nor
             if norms:
                 rows += ab.square().sum(1)
                 cols += bb.square().sum(0)
-        if not norms:
-            return y, None, None
-        return y, rows.sqrt_().view(m, 1), cols.sqrt_().view(1, n)
-    if how != "m":
-        raise ValueError(f"unknown split {how!r}")
-    b64 = b.to(torch.float64)
-    height = max(1, min(m, block // k))
-    rows = torch.empty(m, dtype=torch.float64, device=a.device) if norms else None
-    if a.t().is_contiguous():
-        # a transposed operand (autograd's a^T of the logits' gradient): a block of its rows is a block of
-        # columns of the stored matrix, copied as K runs of contiguous values and multiplied as a transposed
-        # view (BLAS reads it as it lies), not gathered value by value into a's row order
-        stored = a.t()
-        buf = torch.empty(k * height, dtype=torch.float64, device=a.device)
-        square = torch.empty(k * height, dtype=torch.float64, device=a.device) if norms else None
-        for r0 in range(0, m, height):
-            h = min(height, m - r0)
-            cb = buf[: k * h].view(k, h)
-            cb.copy_(stored[:, r0:r0 + h])
-            torch.mm(cb.t(), b64, out=y[r0:r0 + h])
-            if norms:
-                torch.sum(torch.mul(cb, cb, out=square[: k * h].view(k, h)), 0, out=rows[r0:r0 + h])
         if norms:
             rows.sqrt_()
-    else:
-        a_buf = torch.empty(height * k, dtype=torch.float64, device=a.device)
+            cols.sqrt_()
+    elif how == "m":
+        b64 = b.to(torch.float64)
+        height = max(1, min(m, block // k))
+        buf = torch.empty(height * k, dtype=torch.float64, device=a.device)
+        rows = torch.empty(m, dtype=torch.float64, device=a.device) if norms else None
+        # a transposed operand (autograd's a^T of the logits' gradient): a block of its rows is a block of the
+        # stored matrix's columns, copied as K runs of contiguous values and multiplied as a transposed view
+        # (BLAS reads it as it lies), not gathered value by value into a's row order; its row norms are then a
+        # sum of squares over the block's columns (ATen's norm over a transposed view's rows runs slowly)
+        by_columns = a.t().is_contiguous()
+        square = torch.empty(height * k, dtype=torch.float64, device=a.device) if norms and by_columns else None
         for r0 in range(0, m, height):
             h = min(height, m - r0)
-            ab = a_buf[: h * k].view(h, k)
-            ab.copy_(a[r0:r0 + h])
+            if by_columns:
+                cb = buf[: k * h].view(k, h)
+                cb.copy_(a.t()[:, r0:r0 + h])
+                ab = cb.t()
+            else:
+                ab = buf[: h * k].view(h, k)
+                ab.copy_(a[r0:r0 + h])
             torch.mm(ab, b64, out=y[r0:r0 + h])
-            if norms:
+            if norms and by_columns:
+                torch.sum(torch.mul(cb, cb, out=square[: k * h].view(k, h)), 0, out=rows[r0:r0 + h]).sqrt_()
+            elif norms:
                 torch.linalg.vector_norm(ab, dim=1, out=rows[r0:r0 + h])
+        cols = torch.linalg.vector_norm(b64, dim=0) if norms else None
+    else:
+        raise ValueError(f"unknown split {how!r}")
     if not norms:
         return y, None, None
-    cols = torch.linalg.vector_norm(b64, dim=0)
     return y, rows.view(m, 1), cols.view(1, n)

@@ -476,11 +476,9 @@ def _eager_squares(x: torch.Tensor, dims) -> torch.Tensor:
     last bits, as another summation order does (an error-model input: the auditor's tolerance absorbs it)."""
     nd = x.dim()
     dims = sorted({d % nd for d in dims}) if nd else []
-    laid = _as_laid_out(x)
-    if laid is not None:  # a permutation of a contiguous tensor (a transposed operand): in its memory's order
-        xc, order = laid
-        out = _eager_squares(xc, [order.index(d) for d in dims])
-        return out.permute([order.index(d) for d in range(nd)]).contiguous()
+    laid = _in_memory_order(_eager_squares, x, dims)
+    if laid is not None:
+        return laid
     inner = 0
     while inner < len(dims) and dims[-1 - inner] == nd - 1 - inner:
         inner += 1
@@ -499,25 +497,24 @@ def vector_norm(x: torch.Tensor, dims) -> torch.Tensor:
         return out.sqrt()
     if not x.dim() or {d % x.dim() for d in dims} == {x.dim() - 1}:
         return torch.linalg.vector_norm(x, dim=dims, keepdim=True)
-    laid = _as_laid_out(x)
-    if laid is not None:  # in its memory's order: ATen's norm where that reduces the innermost dimension
-        xc, order = laid
-        nd = x.dim()
-        out = vector_norm(xc, [order.index(d % nd) for d in dims])
-        return out.permute([order.index(d) for d in range(nd)]).contiguous()
-    return _eager_squares(x, dims).sqrt_()
+    laid = _in_memory_order(vector_norm, x, dims)  # ATen's norm where that reduces the innermost dimension
+    return _eager_squares(x, dims).sqrt_() if laid is None else laid
 
 
-def _as_laid_out(x: torch.Tensor):
-    """(x permuted to its memory's order, that order) where x is a permutation of a contiguous tensor but not
-    contiguous itself (a transposed matrix product operand, whose column norms are its memory's row norms: as
-    a sum of squares over the strided view, GPT-2's tied embedding took 110 ms against 17, python
-    bench/bench_conv_scales.py --reps 20, its third table); else None."""
+def _in_memory_order(reduce, x: torch.Tensor, dims):
+    """``reduce(x, dims)`` (keepdim) taken on x permuted to its memory's order, where x is a permutation of a
+    contiguous tensor but not contiguous itself (a transposed matrix product operand, whose column norms are its
+    memory's row norms: as a sum of squares over the strided view, GPT-2's tied embedding took 110 ms against 17,
+    python bench/bench_conv_scales.py --reps 20, its third table); else None."""
     if x.dim() < 2 or x.is_contiguous():
         return None
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    nd = x.dim()
+    order = sorted(range(nd), key=lambda d: (-x.stride(d), d))
     xc = x.permute(order)
-    return (xc, order) if xc.is_contiguous() else None
+    if not xc.is_contiguous():
+        return None
+    out = reduce(xc, [order.index(d % nd) for d in dims])
+    return out.permute([order.index(d) for d in range(nd)]).contiguous()
 
 
 # Below this many elements the eager sum of squares was faster than the compiled one on this project's CPUs

@@ -129,6 +129,7 @@ def _targets():
     return [
         (torch._ops.OpOverload, "__call__", "kernel"),
         (blocked, "mm", "kernel"),  # float64 matrix products block by block, their copies and norms
+        (blocked, "mm_by_columns", "kernel"),  # the logits' product by blocks of columns (its epilogues: scan)
         (convolution, "forward", "kernel"),  # forward convolutions by the input-gradient kernel (an op packet's call)
         (rounding.Grid, "round", "round"),
         (rounding.Grid, "candidates", "scan"),
@@ -146,6 +147,7 @@ def _targets():
         (rules.RelScale, "materialize", "scale"),
         (engine._FusedSlot, "_eval", "classify"),
         (engine._SumSlot, "_eval", "classify"),
+        (engine._ProductSlot, "values_at", "classify"),
         (rounding.Grid, "classify", "classify"),
         (rounding.Grid, "round_host", "classify"),
         (rounding.Grid, "apply_direction", "classify"),

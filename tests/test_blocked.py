@@ -18,33 +18,61 @@ WIDE = EngineConfig(thresholds={"accumulate": C})
 
 
 def _operands(case, seed=0, mixed=True):
-    """(a, b) for the two splits: "k" a layer-input gradient's shape (K long), "m" a weight gradient's (a^T of
-    a wide gradient: a transposed view, as autograd passes it)."""
+    """(a, b) for the three splits: "k" a layer-input gradient's shape (K long), "m" a weight gradient's (a^T of
+    a wide gradient: a transposed view, as autograd passes it), "n" the logits' (h @ W^T, W^T a transposed
+    view, as a linear layer passes it)."""
     g = torch.Generator().manual_seed(seed)
-    wide = torch.randn(48 if case == "k" else 256, 3001, generator=g)
-    other = torch.randn((3001, 40) if case == "k" else (256, 24), generator=g)
+    wide = torch.randn(*{"k": (48, 3001), "m": (256, 3001), "n": (3001, 56)}[case], generator=g)
+    other = torch.randn({"k": (3001, 40), "m": (256, 24), "n": (24, 56)}[case], generator=g)
     if mixed:
         wide = wide * torch.exp(2 * torch.randn(wide.shape, generator=g))  # mixed magnitudes: varied scales
         wide.view(-1)[::97] = 0.0
     else:  # positive: every result well away from 0, so tau is a steady share of its grid spacing
         wide, other = wide.exp(), other.exp()
-    return (wide, other) if case == "k" else (wide.t(), other)
+    return {"k": (wide, other), "m": (wide.t(), other), "n": (other, wide.t())}[case]
+
+
+def _by_columns(a, b, block, norms=True):
+    """blocked.mm_by_columns' blocks put together: (y, rows, cols), and the blocks' first columns."""
+    y = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.float64)
+    cols = torch.full((1, b.shape[1]), float("nan"), dtype=torch.float64)
+    starts = []
+
+    def finish(j0, block_y, rows, block_cols):
+        starts.append(j0)
+        y[:, j0:j0 + block_y.shape[1]] = block_y
+        if norms:
+            cols[:, j0:j0 + block_y.shape[1]] = block_cols
+        else:
+            assert rows is None and block_cols is None
+    rows = blocked.mm_by_columns(a, b, finish, norms, block)
+    return y, rows, cols if norms else None, starts
 
 
 def test_each_split_is_the_float64_product_and_its_norms(monkeypatch):
     monkeypatch.setenv("VERITRAIN_COMPILE", "1")
-    for case, a_laid_out in (("k", False), ("m", False), ("m", True)):
+    for case, laid_out in (("k", False), ("m", False), ("m", True), ("n", False), ("n", True)):
         a, b = _operands(case)
-        if a_laid_out:  # a weight gradient's a stored in its own row order, not as a transposed view
+        if laid_out and case == "m":  # a weight gradient's a stored in its own row order, not as a transposed view
             a = a.contiguous()
-        assert a.is_contiguous() == (case == "k" or a_laid_out)
+        if laid_out and case == "n":  # a b stored in its own order, not a linear layer's W^T
+            b = b.contiguous()
+        assert a.is_contiguous() == (case in "kn" or laid_out)
+        assert b.t().is_contiguous() == (case == "n" and not laid_out)
         assert blocked.split(a, b) == case
         a64, b64 = a.double(), b.double()
         ref = a64 @ b64
         for block in (1000, 1 << 14, 1 << 30):  # many blocks with a remainder, a few, one
-            y_only = blocked.mm(a, b, case, block, norms=False)
-            assert y_only[1:] == (None, None) and torch.equal(y_only[0], blocked.mm(a, b, case, block)[0])
-            y, rows, cols = blocked.mm(a, b, case, block)
+            if case == "n":
+                y_only, no_rows, no_cols, starts = _by_columns(a, b, block, norms=False)
+                y, rows, cols, starts = _by_columns(a, b, block)
+                assert no_rows is None and no_cols is None and torch.equal(y_only, y)
+                width = max(1, block // a.shape[0])
+                assert starts == list(range(0, b.shape[1], width))
+            else:
+                y_only = blocked.mm(a, b, case, block, norms=False)
+                assert y_only[1:] == (None, None) and torch.equal(y_only[0], blocked.mm(a, b, case, block)[0])
+                y, rows, cols = blocked.mm(a, b, case, block)
             assert y.dtype == torch.float64 and y.shape == ref.shape and y.is_contiguous()
             assert torch.allclose(rows, torch.linalg.vector_norm(a64, dim=1, keepdim=True), rtol=1e-13, atol=0)
             assert torch.allclose(cols, torch.linalg.vector_norm(b64, dim=0, keepdim=True), rtol=1e-13, atol=0)
@@ -59,7 +87,8 @@ def test_the_split_follows_the_large_operands_long_dimension(monkeypatch):
     wide = torch.zeros(16, 5000)
     assert blocked.split(wide, torch.zeros(5000, 8)) == "k"  # a's long side is K: the layer input's gradient
     assert blocked.split(wide.t(), torch.zeros(16, 8)) == "m"  # a's long side is M: the weight's gradient
-    assert blocked.split(torch.zeros(8, 16), wide) is None  # b's long side is N: the logits, left eager
+    assert blocked.split(torch.zeros(8, 16), wide) == "n"  # b's long side is N: the logits
+    assert blocked.split(torch.zeros(8, 16), torch.zeros(5000, 16).t()) == "n"  # as a linear layer passes W^T
     assert blocked.split(torch.zeros(8, 5000), wide.t()) == "k"  # b large, its long side K
     assert blocked.split(wide.double(), torch.zeros(5000, 8, dtype=torch.float64)) is None
     assert blocked.split(torch.zeros(4, 5), torch.zeros(5, 3)) is None  # below the threshold
@@ -67,10 +96,24 @@ def test_the_split_follows_the_large_operands_long_dimension(monkeypatch):
     assert blocked.split(wide, torch.zeros(5000, 8)) is None
 
 
-def _blocking(monkeypatch, on: bool):
-    monkeypatch.setenv("VERITRAIN_COMPILE", "auto")
+def _blocking(monkeypatch, on: bool, compile="auto"):
+    """``compile`` "1": a block of the logits' split is rounded and scanned by the compiled epilogue, as at full
+    size; "auto": its blocks are below the fused kernels' size, so by the eager rounding and scan. Off is "auto"
+    ("1" blocks every product)."""
+    monkeypatch.setenv("VERITRAIN_COMPILE", compile if on else "auto")
     monkeypatch.setenv("VERITRAIN_BLOCK_MIN_NUMEL", "0" if on else str(1 << 60))
     monkeypatch.setattr(blocked, "BLOCK_NUMEL", 1000)  # many blocks
+    monkeypatch.setattr(blocked, "RESULT_BLOCK_NUMEL", 1000)
+
+
+def _spy(monkeypatch):
+    """The blocked products the engine runs, as (split, whether its blocks take the norms)."""
+    calls = []
+    real, real_by_columns = blocked.mm, blocked.mm_by_columns
+    monkeypatch.setattr(blocked, "mm", lambda *args, **kw: calls.append((args[2], kw["norms"])) or real(*args, **kw))
+    monkeypatch.setattr(blocked, "mm_by_columns",
+                        lambda *args, **kw: calls.append(("n", kw["norms"])) or real_by_columns(*args, **kw))
+    return calls
 
 
 def _train(path, a, b, config=WIDE):
@@ -88,28 +131,28 @@ def _audit(path, a, b, config=WIDE):
     return y, mode
 
 
-# (split, threshold, whether the auditor's blocks take the norms): entries on a quarter of the large operand's
-# rows or more (48 rows of a in "k", 3001 in "m") make it take them in the blocks; fewer, it reads them at its
-# entries from the float32 operands (6 and 381 entries here)
-@pytest.mark.parametrize("case,c,auditor_norms", [("k", C, True), ("m", C, True), ("k", 64.0, False),
-                                                  ("m", 1024.0, False)])
-def test_a_blocked_product_gives_the_eager_results_and_log(tmp_path, monkeypatch, case, c, auditor_norms):
+# (split, threshold, whether the auditor's blocks take the norms, compile): entries on a quarter of the large
+# operand's rows or more (48 rows of a in "k", 3001 in "m") make it take them in the blocks; fewer, it reads them
+# at its entries from the float32 operands (6 and 381 entries here). The logits' split never takes them in an
+# auditor's blocks (its entries are few against 25.7M results: 17-150 a step in GPT-2 2 x 128)
+@pytest.mark.parametrize("case,c,auditor_norms,compile", [
+    ("k", C, True, "auto"), ("m", C, True, "auto"), ("k", 64.0, False, "auto"), ("m", 1024.0, False, "auto"),
+    ("n", C, False, "auto"), ("n", C, False, "1"), ("n", 64.0, False, "1")])
+def test_a_blocked_product_gives_the_eager_results_and_log(tmp_path, monkeypatch, case, c, auditor_norms, compile):
     config = EngineConfig(thresholds={"accumulate": c})
     a, b = _operands(case)
-    calls = []
-    real = blocked.mm
-    monkeypatch.setattr(blocked, "mm", lambda *args, **kw: calls.append((args[2], kw["norms"])) or real(*args, **kw))
-    _blocking(monkeypatch, True)
+    calls = _spy(monkeypatch)
+    _blocking(monkeypatch, True, compile)
     y_b, mode_b = _train(tmp_path / "b.vtlog", a, b, config)
     assert calls == [(case, True)], "the blocked path ran, taking the norms the trainer's scan reads"
-    _blocking(monkeypatch, False)
+    _blocking(monkeypatch, False, compile)
     y_e, mode_e = _train(tmp_path / "e.vtlog", a, b, config)
     assert calls == [(case, True)]
     assert mode_e.stats.entries_total > 0, "the comparison covers log entries"
     assert torch.equal(y_b.view(torch.int32), y_e.view(torch.int32))
     assert (tmp_path / "b.vtlog").read_bytes() == (tmp_path / "e.vtlog").read_bytes()
     for blocked_auditor in (True, False):
-        _blocking(monkeypatch, blocked_auditor)
+        _blocking(monkeypatch, blocked_auditor, compile)
         for log in ("b.vtlog", "e.vtlog"):
             y_a, mode_a = _audit(tmp_path / log, a, b, config)
             assert mode_a.stats.suspicious_count == 0
@@ -120,7 +163,8 @@ def test_a_blocked_product_gives_the_eager_results_and_log(tmp_path, monkeypatch
 
 # tau about 1/16 of half a spacing at 2**17 and 2**19; at 2**14 the auditor has few entries (about 240 over 3001
 # rows), so it reads the scale at them from the float32 operands, not from the blocks' norms
-@pytest.mark.parametrize("case,c,auditor_norms", [("k", 2.0**17, True), ("m", 2.0**19, True), ("m", 2.0**14, False)])
+@pytest.mark.parametrize("case,c,auditor_norms", [("k", 2.0**17, True), ("m", 2.0**19, True), ("m", 2.0**14, False),
+                                                  ("n", 2.0**17, False)])
 def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, monkeypatch, case, c, auditor_norms):
     """The attacker adds direction entries that round the wrong way where the result lies between 1.2 and 1.9
     thresholds from a midpoint: inside the auditor's slack window (2 tau), so only the error scale the blocked
@@ -140,10 +184,8 @@ def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, m
     assert len(targets) >= 5
     forge_wrong_directions(tmp_path / "t.vtlog", tmp_path / "forged.vtlog", targets, y64, tau)
 
-    calls = []
-    real = blocked.mm
-    monkeypatch.setattr(blocked, "mm", lambda *args, **kw: calls.append(kw["norms"]) or real(*args, **kw))
+    calls = _spy(monkeypatch)
     _, mode = _audit(tmp_path / "forged.vtlog", a, b, config)
-    assert calls == [auditor_norms]
+    assert calls == [(case, auditor_norms)]
     assert mode.stats.suspicious_count == len(targets)  # every forged entry, and nothing else
     assert {s.position for s in mode.stats.suspicious} <= set(targets.tolist())  # the first few, in detail

@@ -21,8 +21,12 @@ Two ways to split, chosen by the large operand's long dimension:
 The trainer scans every value of y, so it takes the norms in the blocks; an auditor reads the error scale at
 its entries only, and takes them there unless its entries are many (engine._try_blocked_mm).
 
-A large ``b`` with N > K (the logits themselves) is left to the eager path: its copy is small against the
-product, and splitting its columns was no faster in a one-off measurement.
+* ``n``: along the columns of a large ``b`` with N > K (the logits themselves, h @ W^T): each block of
+  columns of y is a @ b[:, cols], computed into a buffer and handed to the caller (``mm_by_columns``), which
+  rounds it and scans it for candidates while it is in cache, so the float64 product never exists whole: at
+  512 x 50257 it is 206 MB, written by the product and read back by the rounding, on a machine whose two cores
+  move about 7 GB/s. Where ``b`` is a transposed view, as a linear layer passes its weight, a block of its
+  columns is a block of the stored matrix's rows, copied as one contiguous run.
 
 Like the compiled kernels (fused.py) this is another correct float64 evaluation of the op: the products of
 float32 values are exact in float64, and only the order of the float64 additions may differ from one GEMM
@@ -39,6 +43,7 @@ from .hardware import compiled_path
 
 MIN_NUMEL = 1 << 22  # elements of the large float32 operand (16 MB) from which blocking pays (VERITRAIN_BLOCK_MIN_NUMEL)
 BLOCK_NUMEL = 1 << 18  # float64 elements of one operand block: 2 MB, in cache between its copy and its product
+RESULT_BLOCK_NUMEL = 1 << 20  # float64 elements of one block of the "n" split's result (8 MB)
 
 
 def enabled_for(numel: int, device) -> bool:
@@ -48,8 +53,8 @@ def enabled_for(numel: int, device) -> bool:
 
 
 def split(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """How to split ``a @ b`` ("k", "m"), or None where the eager path is used: operands other than float32
-    matrices on the CPU (a GPU's copies run at its memory's speed), empty ones, or a large b with N > K."""
+    """How to split ``a @ b`` ("k", "m", "n"), or None where the eager path is used: operands other than float32
+    matrices on the CPU (a GPU's copies run at its memory's speed), empty ones."""
     if a.dim() != 2 or b.dim() != 2 or a.dtype != torch.float32 or b.dtype != torch.float32 \
             or a.device.type != "cpu" or b.device.type != "cpu" or a.shape[1] != b.shape[0] or not a.numel() \
             or not b.numel():
@@ -59,12 +64,13 @@ def split(a: torch.Tensor, b: torch.Tensor) -> str | None:
         return None
     if a.numel() >= b.numel():
         return "k" if k >= m else "m"
-    return "k" if k >= n else None
+    return "k" if k >= n else "n"
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, how: str, block: int | None = None, norms: bool = True):
     """(y, ||rows of a|| as M x 1, ||columns of b|| as 1 x N), all float64, for float32 ``a`` (M x K) and ``b``
-    (K x N) split as ``how`` says (``split``); ``block`` float64 elements per operand block (BLOCK_NUMEL).
+    (K x N) split as ``how`` says (``split``: "k" or "m"); ``block`` float64 elements per operand block
+    (BLOCK_NUMEL).
     ``norms=False``: the two norms are None (an auditor reads its scales at a few positions only)."""
     (m, k), n = a.shape, b.shape[1]
     block = BLOCK_NUMEL if block is None else block
@@ -122,3 +128,37 @@ def mm(a: torch.Tensor, b: torch.Tensor, how: str, block: int | None = None, nor
     if not norms:
         return y, None, None
     return y, rows.view(m, 1), cols.view(1, n)
+
+
+def mm_by_columns(a: torch.Tensor, b: torch.Tensor, finish, norms: bool = True, block: int | None = None):
+    """The "n" split: ``a @ b`` for float32 ``a`` (M x K) and a large ``b`` (K x N), one block of columns at a
+    time, each handed to ``finish(j0, y, rows, cols)`` while in cache: y the block's float64 product (M x w, in a
+    buffer the next block reuses), rows ||rows of a|| (M x 1) and cols ||its columns of b|| (1 x w), both float64,
+    or None unless ``norms``. ``block``: float64 elements of one block of y (RESULT_BLOCK_NUMEL)."""
+    (m, k), n = a.shape, b.shape[1]
+    block = RESULT_BLOCK_NUMEL if block is None else block
+    a64 = a.to(torch.float64)
+    rows = torch.linalg.vector_norm(a64, dim=1, keepdim=True) if norms else None
+    width = max(1, min(n, block // m))
+    y_buf = torch.empty(m * width, dtype=torch.float64, device=a.device)
+    b_buf = torch.empty(k * width, dtype=torch.float64, device=a.device)
+    # a transposed b (a linear layer's weight W^T): its block of columns is a block of W's rows, one contiguous
+    # run, multiplied as a transposed view; its columns' norms are then W's rows' norms, reduced in memory order
+    by_rows = b.t().is_contiguous()
+    for j0 in range(0, n, width):
+        w = min(width, n - j0)
+        if by_rows:
+            stored = b_buf[: w * k].view(w, k)
+            stored.copy_(b.t()[j0:j0 + w])
+            bb = stored.t()
+        else:
+            bb = b_buf[: k * w].view(k, w)
+            bb.copy_(b[:, j0:j0 + w])
+        y = y_buf[: m * w].view(m, w)
+        torch.mm(a64, bb, out=y)
+        cols = None
+        if norms:
+            cols = torch.linalg.vector_norm(stored, dim=1).view(1, w) if by_rows \
+                else torch.linalg.vector_norm(bb, dim=0, keepdim=True)
+        finish(j0, y, rows, cols)
+    return rows

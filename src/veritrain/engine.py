@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import accelerator, blocked, capture, convolution, decompositions, hardware, randomness, rules
+from . import accelerator, blocked, capture, convolution, hardware, randomness, rules
 from .fused import Epilogues, FusedKernels, FusedSums, Unfusable, rows_of
 from .logformat import OpRecord, OutputEntries, StepLogReader, StepLogWriter
 from .rounding import UNIT_ROUNDOFF, Grid, mask_positions
@@ -510,6 +510,32 @@ class _SumSlot(_FusedSlot):
         s = rules._reduction_sum(rules.Call(self._func, (rows, [1]), {}, [y]))[0]
         self._memo = (idx, (y, s))
         return y, s
+
+
+class _ProductSlot:
+    """A matrix product rounded and scanned block by block (blocked.mm_by_columns), so that its float64 values
+    never exist whole: its float32 values and candidates' positions; the float64 value at a position that needs
+    it recomputed as the dot product of a's row and b's column (another correct evaluation, as for the fused
+    kernels: _record rounds the recomputed values where it classifies them), the scale as rules._mm's."""
+
+    def __init__(self, y32, found, a, b, scale, op_class):
+        self.y32, self.found, self.a, self.b, self._scale = y32, found, a, b, scale
+        self.shape, self.op_class = tuple(y32.shape), op_class
+        self._memo = None
+
+    def candidate_indices(self, c):
+        return self.found
+
+    def values_at(self, idx):
+        if self._memo is not None and self._memo[0] is idx:
+            return self._memo[1]
+        i, j = idx // self.shape[1], idx % self.shape[1]
+        y = (self.a[i].to(torch.float64) * self.b.t()[j].to(torch.float64)).sum(1)
+        self._memo = (idx, y)
+        return y
+
+    def scale_at(self, idx):
+        return self._scale.at(idx, self.shape)
 
 
 _FUSED_SUMS = {aten.sum.dim_IntList, aten.mean.dim}  # computed by FusedSums where it can
@@ -1012,6 +1038,8 @@ class VerifiedMode(TorchDispatchMode):
         how = blocked.split(a, b)
         if how is None:
             return _NOT_FUSED
+        if how == "n":
+            return self._mm_by_columns(func, rule, a, b, record, scalars)
         # rules._mm's scale, sqrt(k) ||row_i(a)|| ||col_j(b)||: the trainer scans every value, so the blocks
         # take the norms while in cache. An auditor reads the scale at its entries alone, from those rows and
         # columns of the float32 operands (rules.NormFactor), unless they reach a quarter of the large operand's
@@ -1026,6 +1054,41 @@ class VerifiedMode(TorchDispatchMode):
         analysis = _Analysis(rules.Call(func, (a, b), {}, [y]), rule)
         analysis.scales = [rules.LazyScale([(rules._sqrt(a.shape[1]), [rows, cols])])]
         slot = _EagerSlot(y, analysis, 0, self.grid, self._epilogues())
+        return self._finish_op(func, record, scalars, [slot])[0]
+
+    def _mm_by_columns(self, func, rule, a, b, record, scalars):
+        """A matrix product with a large b of many columns (a language model's logits), rounded and, by the
+        trainer, scanned one block of columns at a time while the block is in cache (blocked.mm_by_columns). The
+        auditor rounds only; it reads the scale at its entries from the float32 operands (rules.NormFactor)."""
+        (m, k), n = a.shape, b.shape[1]
+        grid, trainer = self.grid, self.writer is not None
+        c = self.config.thresholds[rule.op_class]
+        y32 = torch.empty((m, n), dtype=torch.float32, device=a.device)
+        cols = torch.empty((1, n), dtype=torch.float64, device=a.device) if trainer else None
+        found = []
+
+        def finish(j0, y, rows, block_cols):
+            w = y.shape[1]
+            if not trainer:
+                y32[:, j0:j0 + w] = grid.round(y)
+                return
+            cols[:, j0:j0 + w] = block_cols
+            scale = rules.LazyScale([(rules._sqrt(k), [rows, block_cols])])
+            out = self._epilogues().run(y, scale, c) if FusedKernels.enabled_for(y.numel(), y.device) else None
+            if out is None:  # nothing compiled here: the eager rounding and scan, the same answers
+                y32[:, j0:j0 + w] = grid.round(y)
+                local = grid.candidate_positions(y, scale.materialize(y.shape), c)
+            else:
+                y32[:, j0:j0 + w] = out[0]
+                local = mask_positions(out[1])
+            if local.numel():
+                found.append(local // w * n + j0 + local % w)
+
+        rows = blocked.mm_by_columns(a, b, finish, norms=trainer)
+        factors = [rows, cols] if trainer else [rules.NormFactor(a, -1), rules.NormFactor(b, -2)]
+        scale = rules.LazyScale([(rules._sqrt(k), factors)])
+        positions = torch.sort(torch.cat(found)).values if found else torch.zeros(0, dtype=torch.int64)
+        slot = _ProductSlot(y32, positions, a, b, scale, rule.op_class)
         return self._finish_op(func, record, scalars, [slot])[0]
 
     def _epilogues(self):

@@ -34,10 +34,11 @@ from veritrain.engine import EngineConfig, step_context
 from veritrain.logformat import StepLogReader
 a, b = torch.load(sys.argv[1])
 config = EngineConfig(thresholds={"accumulate": float(sys.argv[2])})
-blocked.BLOCK_NUMEL = 1000
+blocked.BLOCK_NUMEL = blocked.RESULT_BLOCK_NUMEL = 1000
 calls = []
-real = blocked.mm
+real, real_by_columns = blocked.mm, blocked.mm_by_columns
 blocked.mm = lambda *args, **kw: calls.append([args[2], kw["norms"]]) or real(*args, **kw)
+blocked.mm_by_columns = lambda *args, **kw: calls.append(["n", kw["norms"]]) or real_by_columns(*args, **kw)
 result = {}
 for name in sys.argv[3:]:
     with StepLogReader(name, expect_step=0, expect_bits=32) as reader:
@@ -53,11 +54,12 @@ print(json.dumps(result))
 
 def operands(case):
     """Positive operands (every result well away from 0, so tau is a steady share of its grid spacing):
-    "k" a layer-input gradient's shape (K long), "m" a weight gradient's (a transposed view)."""
+    "k" a layer-input gradient's shape (K long), "m" a weight gradient's (a transposed view), "n" the logits'
+    (h @ W^T, W^T a transposed view)."""
     g = torch.Generator().manual_seed(3)
-    wide = torch.randn(48 if case == "k" else 256, 3001, generator=g).exp()
-    other = torch.randn((3001, 40) if case == "k" else (256, 24), generator=g).exp()
-    return (wide, other) if case == "k" else (wide.t(), other)
+    wide = torch.randn(*{"k": (48, 3001), "m": (256, 3001), "n": (3001, 56)}[case], generator=g).exp()
+    other = torch.randn(*{"k": (3001, 40), "m": (256, 24), "n": (24, 56)}[case], generator=g).exp()
+    return {"k": (wide, other), "m": (wide.t(), other), "n": (other, wide.t())}[case]
 
 
 def audit_in_child(tmp_path, a, b, c, *logs):
@@ -72,14 +74,16 @@ def audit_in_child(tmp_path, a, b, c, *logs):
 
 # tau about 1/16 of half a spacing at 2**17 and 2**19, where the auditor's entries are many and it takes the norms
 # in its blocks; at 2**14 they are few (a few hundred over 3001 rows) and it reads the scale at them from its own
-# float32 operands
-@pytest.mark.parametrize("case,c,norms", [("k", 2.0**17, True), ("m", 2.0**19, True), ("m", 2.0**14, False)])
+# float32 operands, as an auditor always does in the logits' split ("n")
+@pytest.mark.parametrize("case,c,norms", [("k", 2.0**17, True), ("m", 2.0**19, True), ("m", 2.0**14, False),
+                                          ("n", 2.0**17, False)])
 def test_forged_decisions_in_a_blocked_product_are_caught_by_an_auditor_on_another_variant(tmp_path, monkeypatch,
                                                                                            case, c, norms):
     a, b = operands(case)
     monkeypatch.setenv("VERITRAIN_COMPILE", "auto")
     monkeypatch.setenv("VERITRAIN_BLOCK_MIN_NUMEL", "0")
     monkeypatch.setattr(blocked, "BLOCK_NUMEL", 1000)
+    monkeypatch.setattr(blocked, "RESULT_BLOCK_NUMEL", 1000)
     config = EngineConfig(thresholds={"accumulate": c})
     w = StepLogWriter(str(tmp_path / "honest.vtlog"), 0, 32)
     with step_context(config, 0, writer=w):

@@ -1,13 +1,15 @@
 """Captured regions (capture.py) of a workload's verified step, each timed as it replays: its function run as
 Python with the NumPy candidate test (what a small region runs by default), the same with the compiled
-function's torch test (stability_flag, every sum's certificate computed), and compiled (a large region, or a trainer's hot one).
+function's torch test (stability_flag, every sum's certificate computed), compiled (a large region, or a trainer's
+hot one), and compiled with the trainer's candidate flags reduced whole at once, as capture._any_flag did before
+it reduced each by rows (an auditor's function has no flags: the same as compiled).
 
     python bench/bench_regions.py                                   # resnet and digits, trainer and auditor
     python bench/bench_regions.py --workloads digits --repeats 10 --no-write
 
 A few verified steps record every region of the workload (the trainer's and the auditor's are distinct:
 the auditor's function has no scale or test); each region's inputs from its last call are kept and the
-variants are timed on them in turn, rotated each repetition, in one process. Medians in microseconds.
+variants are timed on them in turn, in a shuffled order each repetition, in one process. Medians in microseconds.
 `per step` weights each region by its calls in one step; `in step` times the calls the engine made. The variants must give the same results (the same
 float32 values, the rounding of the same float64 op); where they differ the script exits with an error.
 Writes the "Captured regions" section of bench/RESULTS.md unless --no-write.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shlex
 import statistics
 import sys
@@ -31,16 +34,33 @@ import torch  # noqa: E402
 from profile_engine import (_prepare_batch, _prepare_model, _step, build, each_workload, place_task,  # noqa: E402
                             write_section)
 from veritrain import capture  # noqa: E402
+from veritrain.fused import KEEP_ROUNDINGS, define  # noqa: E402
 from veritrain.engine import EngineConfig  # noqa: E402
 from veritrain.rounding import Grid  # noqa: E402
 
-VARIANTS = ("python", "python, torch test", "compiled")
+VARIANTS = ("python", "python, torch test", "compiled", "compiled, flags whole")
+
+
+def _whole_flags(flags):
+    """The trainer's candidate test reduced as capture._any_flag did before it reduced each flag by rows."""
+    return torch.stack([f.any() for f in flags]).any()
+
+
+def _compiled(region, any_flag):
+    """The region's function compiled as Region.program compiles it, its flags reduced by ``any_flag``; compiled
+    here for both compiled variants alike (the region's own was compiled in the steps, with autograd on, and
+    carries a second set of guards into the no-grad calls timed here)."""
+    env = dict(region._env)
+    env.pop("PYTHON")
+    env["ANY"] = any_flag
+    define(region.source, "<bench_regions>", env)
+    return torch.compile(env["program"], dynamic=False, fullgraph=True, options=KEEP_ROUNDINGS)
 
 
 def _variants(region) -> dict:
-    """The region's function three ways (see the module's docstring)."""
+    """The region's function four ways (see the module's docstring)."""
     return {"python": region.program(False), "python, torch test": region.function(for_python=False),
-            "compiled": region.program(True)}
+            "compiled": _compiled(region, capture._any_flag), "compiled, flags whole": _compiled(region, _whole_flags)}
 
 
 def record(task_ref: str, config: dict, steps: int) -> dict:
@@ -90,7 +110,9 @@ def measure(task_ref: str, config: dict, repeats: int, steps: int = 4) -> list:
                     raise SystemExit(f"{region.templates[0].label}: the {v!r} function's results differ from Python's")
             times = {v: [] for v in VARIANTS}
             for k in range(repeats):
-                for v in VARIANTS[k % 3:] + VARIANTS[:k % 3]:
+                # a shuffled order each time: a rotation keeps each variant after the same one, and a variant
+                # timed after one that leaves the caches cold (the Python ones) was slower for it
+                for v in random.Random(k).sample(VARIANTS, len(VARIANTS)):
                     t0 = time.perf_counter()
                     fns[v](*inputs)
                     times[v].append(time.perf_counter() - t0)
@@ -105,11 +127,14 @@ def markdown(results: dict, command: str, machine: str) -> str:
     lines = ["## Captured regions: as Python and compiled (issue 12)", "", f"Command: `{command}`", "",
              f"Machine: {machine}", "",
              "Written by `bench/bench_regions.py`: each captured region of the workloads' verified steps timed on "
-             "its last call's inputs, in microseconds (medians, the variants rotated in one process). `python` is "
+             "its last call's inputs, in microseconds (medians, the variants in a shuffled order each repetition, "
+             "in one process). `python` is "
              "what a region below `VERITRAIN_CAPTURE_MIN_NUMEL` runs (its generated function as Python, the "
              "eager engine's candidate test in NumPy, a sum's exactness certificate only where its plain scale "
              "flags); `python, torch test` the same with the compiled function's test (stability_flag, every "
-             "sum certified); `compiled` what a large region, or a trainer's hot one, runs. `in "
+             "sum certified); `compiled` what a large region, or a trainer's hot one, runs; `compiled, flags whole` "
+             "the same with the trainer's candidate flags each reduced whole at once (`capture._any_flag` before it "
+             "reduced them by rows first). `in "
              "step`: the same region's calls inside the verified steps (after the first), by the variant the "
              "engine chose (`runs`), with the replay's own work around the call.", ""]
     head = ["workload", "role", "region (first op)", "logged ops", "largest tensor", "calls / step", *VARIANTS,

@@ -184,6 +184,24 @@ def test_the_lazy_certificate_gives_the_certified_tests_answer():
     assert answers == {(False, False), (False, True), (True, True)}  # each way the two tests can go
 
 
+def test_any_flag_finds_one_candidate_anywhere():
+    """capture._any_flag reduces each flag along its last dimension first (so that inductor fuses it into the
+    op's loop): still true for a single flagged value at any position of flags of every rank, false for none, an
+    empty flag beside them changing nothing; the same compiled."""
+    shapes = [(), (7,), (3, 5), (2, 3, 4, 5), (0, 3)]
+    flags = [torch.zeros(s) for s in shapes]
+    assert not bool(capture._any_flag(flags)) and not bool(capture._any_flag([flags[-1]]))
+    for f in flags:
+        for i in range(f.numel()):
+            f.view(-1)[i] = 1.0
+            assert bool(capture._any_flag(flags)), (tuple(f.shape), i)
+            f.view(-1)[i] = 0.0
+    compiled = torch.compile(lambda *fs: capture._any_flag(list(fs)), dynamic=False, fullgraph=True)
+    assert not bool(compiled(*flags))
+    flags[3][1, 2, 3, 4] = 1.0
+    assert bool(compiled(*flags))
+
+
 @BOTH
 def test_the_auditor_replays_an_eager_trainer_with_capture(tmp_path, monkeypatch, compile_mode):
     trained, _ = train(tmp_path, "run", "0", monkeypatch)

@@ -137,8 +137,13 @@ class Region:
 
 
 def _any_flag(flags):
-    """Whether any of the compiled function's flags (stability_flag's float32 1 / 0) marks a candidate."""
-    return torch.stack([f.any() for f in flags]).any()
+    """Whether any of the compiled function's flags (stability_flag's float32 1 / 0) marks a candidate. Each flag
+    is reduced along its last dimension first: a reduction over the rows the op that computes the flag runs
+    through, which inductor fuses into that op's loop. Reduced whole at once, a flag was a loop of its own, and
+    inductor stored the op's float64 result to read it there: in GPT-2's log-softmax backward, the exp of
+    512 x 50257 log-probabilities, 206 MB written and read again each step (`python bench/bench_regions.py`)."""
+    parts = [(f.flatten(0, -2).amax(-1) if f.dim() >= 2 else f.reshape(-1)).amax() > 0 for f in flags if f.numel()]
+    return torch.stack(parts).any() if parts else torch.zeros((), dtype=torch.bool)
 
 
 _EAGER = object()  # a signature that is not captured

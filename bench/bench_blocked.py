@@ -139,8 +139,8 @@ def markdown(results: dict, command: str, machine: str, steps: dict | None = Non
              "products (the logits and the two that read their gradient), eager (the float32 operand copied to "
              "float64 whole, the result rounded and scanned whole) and block by block (`blocked.py`), alternating in "
              "one process; medians in ms; `fp64` is the plain float64 product on operands already in float64. "
-             f"Operand blocks of {blocked.BLOCK_NUMEL} float64 elements, result blocks (the logits) of "
-             f"{blocked.RESULT_BLOCK_NUMEL}.", "",
+             f"Operand blocks of the split along K: {blocked.BLOCK_NUMEL} float64 elements; the splits along M and N "
+             f"(blocks of the result, rounded and scanned as they come): {blocked.RESULT_BLOCK_NUMEL}.", "",
              "| product | shapes | fp64 | trainer eager | trainer blocked | auditor eager | auditor blocked |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, (shapes, t) in results.items():
@@ -165,7 +165,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--block", type=int, default=blocked.BLOCK_NUMEL, help="float64 elements per operand block")
     ap.add_argument("--result-block", type=int, default=blocked.RESULT_BLOCK_NUMEL,
-                    help="float64 elements per result block (the logits' split along N)")
+                    help="float64 elements per block of the splits along M and N (operand copy or result, the larger)")
     ap.add_argument("--steps", type=int, default=0, help="also time this many whole steps (0: products only)")
     ap.add_argument("--workload", default="gpt2", help="bench/profile_engine.py's workload for --steps")
     ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))

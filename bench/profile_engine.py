@@ -129,7 +129,7 @@ def _targets():
     return [
         (torch._ops.OpOverload, "__call__", "kernel"),
         (blocked, "mm", "kernel"),  # float64 matrix products block by block, their copies and norms
-        (blocked, "mm_by_columns", "kernel"),  # the logits' product by blocks of columns (its epilogues: scan)
+        (blocked, "mm_in_blocks", "kernel"),  # products by blocks of the result's rows or columns (epilogues: scan)
         (convolution, "forward", "kernel"),  # forward convolutions by the input-gradient kernel (an op packet's call)
         (rounding.Grid, "round", "round"),
         (rounding.Grid, "candidates", "scan"),

@@ -32,21 +32,25 @@ def _operands(case, seed=0, mixed=True):
     return {"k": (wide, other), "m": (wide.t(), other), "n": (other, wide.t())}[case]
 
 
-def _by_columns(a, b, block, norms=True):
-    """blocked.mm_by_columns' blocks put together: (y, rows, cols), and the blocks' first columns."""
+def _by_blocks(a, b, how, block, norms=True):
+    """blocked.mm_in_blocks' blocks put together: (y, rows, cols), and where each block starts. The buffers it
+    hands over are reused by the next block, so each is copied out at once."""
     y = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.float64)
+    rows = torch.full((a.shape[0], 1), float("nan"), dtype=torch.float64)
     cols = torch.full((1, b.shape[1]), float("nan"), dtype=torch.float64)
     starts = []
 
-    def finish(j0, block_y, rows, block_cols):
-        starts.append(j0)
-        y[:, j0:j0 + block_y.shape[1]] = block_y
+    def finish(r, c, block_y, block_rows, block_cols):
+        starts.append(r.start if how == "m" else c.start)
+        assert block_y.shape == y[r, c].shape
+        y[r, c] = block_y
         if norms:
-            cols[:, j0:j0 + block_y.shape[1]] = block_cols
+            rows[r] = block_rows
+            cols[:, c] = block_cols
         else:
-            assert rows is None and block_cols is None
-    rows = blocked.mm_by_columns(a, b, finish, norms, block)
-    return y, rows, cols if norms else None, starts
+            assert block_rows is None and block_cols is None
+    blocked.mm_in_blocks(a, b, how, finish, norms, block)
+    return y, (rows, cols) if norms else (None, None), starts
 
 
 def test_each_split_is_the_float64_product_and_its_norms(monkeypatch):
@@ -62,23 +66,26 @@ def test_each_split_is_the_float64_product_and_its_norms(monkeypatch):
         assert blocked.split(a, b) == case
         a64, b64 = a.double(), b.double()
         ref = a64 @ b64
+        (m, k), n = a.shape, b.shape[1]
         for block in (1000, 1 << 14, 1 << 30):  # many blocks with a remainder, a few, one
-            if case == "n":
-                y_only, no_rows, no_cols, starts = _by_columns(a, b, block, norms=False)
-                y, rows, cols, starts = _by_columns(a, b, block)
-                assert no_rows is None and no_cols is None and torch.equal(y_only, y)
-                width = max(1, block // a.shape[0])
-                assert starts == list(range(0, b.shape[1], width))
+            if case == "k":
+                y_only = blocked.mm(a, b, block, norms=False)
+                assert y_only[1:] == (None, None) and torch.equal(y_only[0], blocked.mm(a, b, block)[0])
+                y, rows, cols = blocked.mm(a, b, block)
             else:
-                y_only = blocked.mm(a, b, case, block, norms=False)
-                assert y_only[1:] == (None, None) and torch.equal(y_only[0], blocked.mm(a, b, case, block)[0])
-                y, rows, cols = blocked.mm(a, b, case, block)
+                y_only, no_norms, _ = _by_blocks(a, b, case, block, norms=False)
+                y, (rows, cols), starts = _by_blocks(a, b, case, block)
+                assert no_norms == (None, None) and torch.equal(y_only, y)
+                step = max(1, block // max(k, n)) if case == "m" else max(1, block // max(m, k))
+                assert starts == list(range(0, m if case == "m" else n, step))
             assert y.dtype == torch.float64 and y.shape == ref.shape and y.is_contiguous()
             assert torch.allclose(rows, torch.linalg.vector_norm(a64, dim=1, keepdim=True), rtol=1e-13, atol=0)
             assert torch.allclose(cols, torch.linalg.vector_norm(b64, dim=0, keepdim=True), rtol=1e-13, atol=0)
             # another summation order: within float64's error bound for a dot product of length k
             bound = a.shape[1] * 2.0**-53 * (a64.abs() @ b64.abs())
             assert bool(((y - ref).abs() <= bound).all())
+    with pytest.raises(ValueError, match="unknown split"):
+        blocked.mm_in_blocks(a, b, "k", lambda *args: None)
 
 
 def test_the_split_follows_the_large_operands_long_dimension(monkeypatch):
@@ -109,10 +116,10 @@ def _blocking(monkeypatch, on: bool, compile="auto"):
 def _spy(monkeypatch):
     """The blocked products the engine runs, as (split, whether its blocks take the norms)."""
     calls = []
-    real, real_by_columns = blocked.mm, blocked.mm_by_columns
-    monkeypatch.setattr(blocked, "mm", lambda *args, **kw: calls.append((args[2], kw["norms"])) or real(*args, **kw))
-    monkeypatch.setattr(blocked, "mm_by_columns",
-                        lambda *args, **kw: calls.append(("n", kw["norms"])) or real_by_columns(*args, **kw))
+    real, real_in_blocks = blocked.mm, blocked.mm_in_blocks
+    monkeypatch.setattr(blocked, "mm", lambda *args, **kw: calls.append(("k", kw["norms"])) or real(*args, **kw))
+    monkeypatch.setattr(blocked, "mm_in_blocks",
+                        lambda *args, **kw: calls.append((args[2], kw["norms"])) or real_in_blocks(*args, **kw))
     return calls
 
 
@@ -132,12 +139,13 @@ def _audit(path, a, b, config=WIDE):
 
 
 # (split, threshold, whether the auditor's blocks take the norms, compile): entries on a quarter of the large
-# operand's rows or more (48 rows of a in "k", 3001 in "m") make it take them in the blocks; fewer, it reads them
-# at its entries from the float32 operands (6 and 381 entries here). The logits' split never takes them in an
-# auditor's blocks (its entries are few against 25.7M results: 17-150 a step in GPT-2 2 x 128)
+# operand's rows or more (48 rows of a in "k", 3001 in "m", 3001 columns of b in "n") make it take them in the
+# blocks; fewer, it reads them at its entries from the float32 operands (6, 381 and 5 entries here; GPT-2 2 x 128's
+# logits have 17-150 over 50257 columns). "1": the "m" and "n" blocks are rounded and scanned by the compiled
+# epilogue, as at full size; "auto", by the eager rounding and scan (they are below the fused kernels' size)
 @pytest.mark.parametrize("case,c,auditor_norms,compile", [
-    ("k", C, True, "auto"), ("m", C, True, "auto"), ("k", 64.0, False, "auto"), ("m", 1024.0, False, "auto"),
-    ("n", C, False, "auto"), ("n", C, False, "1"), ("n", 64.0, False, "1")])
+    ("k", C, True, "auto"), ("m", C, True, "auto"), ("m", C, True, "1"), ("k", 64.0, False, "auto"),
+    ("m", 1024.0, False, "auto"), ("n", C, True, "auto"), ("n", C, True, "1"), ("n", 64.0, False, "1")])
 def test_a_blocked_product_gives_the_eager_results_and_log(tmp_path, monkeypatch, case, c, auditor_norms, compile):
     config = EngineConfig(thresholds={"accumulate": c})
     a, b = _operands(case)
@@ -162,9 +170,9 @@ def test_a_blocked_product_gives_the_eager_results_and_log(tmp_path, monkeypatch
 
 
 # tau about 1/16 of half a spacing at 2**17 and 2**19; at 2**14 the auditor has few entries (about 240 over 3001
-# rows), so it reads the scale at them from the float32 operands, not from the blocks' norms
+# rows or columns), so it reads the scale at them from the float32 operands, not from the blocks' norms
 @pytest.mark.parametrize("case,c,auditor_norms", [("k", 2.0**17, True), ("m", 2.0**19, True), ("m", 2.0**14, False),
-                                                  ("n", 2.0**17, False)])
+                                                  ("n", 2.0**17, True), ("n", 2.0**14, False)])
 def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, monkeypatch, case, c, auditor_norms):
     """The attacker adds direction entries that round the wrong way where the result lies between 1.2 and 1.9
     thresholds from a midpoint: inside the auditor's slack window (2 tau), so only the error scale the blocked

@@ -513,7 +513,7 @@ class _SumSlot(_FusedSlot):
 
 
 class _ProductSlot:
-    """A matrix product rounded and scanned block by block (blocked.mm_by_columns), so that its float64 values
+    """A matrix product rounded and scanned block by block (blocked.mm_in_blocks), so that its float64 values
     never exist whole: its float32 values and candidates' positions; the float64 value at a position that needs
     it recomputed as the dot product of a's row and b's column (another correct evaluation, as for the fused
     kernels: _record rounds the recomputed values where it classifies them), the scale as rules._mm's."""
@@ -1038,8 +1038,6 @@ class VerifiedMode(TorchDispatchMode):
         how = blocked.split(a, b)
         if how is None:
             return _NOT_FUSED
-        if how == "n":
-            return self._mm_by_columns(func, rule, a, b, record, scalars)
         # rules._mm's scale, sqrt(k) ||row_i(a)|| ||col_j(b)||: the trainer scans every value, so the blocks
         # take the norms while in cache. An auditor reads the scale at its entries alone, from those rows and
         # columns of the float32 operands (rules.NormFactor), unless they reach a quarter of the large operand's
@@ -1047,45 +1045,52 @@ class VerifiedMode(TorchDispatchMode):
         # cost less than gathering them (NormFactor.at would take them all, from a whole float64 copy)
         entries = sum(o.n_entries for o in record.outputs) if record is not None else 0
         lines = b.shape[1] if b.numel() > a.numel() else a.shape[0]
-        in_blocks = self.writer is not None or 4 * entries >= lines
-        y, rows, cols = blocked.mm(a, b, how, norms=in_blocks)
-        if not in_blocks:
+        norms = self.writer is not None or 4 * entries >= lines
+        if how != "k":
+            return self._mm_in_blocks(func, rule, a, b, how, norms, record, scalars)
+        y, rows, cols = blocked.mm(a, b, norms=norms)
+        if not norms:
             rows, cols = rules.NormFactor(a, -1), rules.NormFactor(b, -2)
         analysis = _Analysis(rules.Call(func, (a, b), {}, [y]), rule)
         analysis.scales = [rules.LazyScale([(rules._sqrt(a.shape[1]), [rows, cols])])]
         slot = _EagerSlot(y, analysis, 0, self.grid, self._epilogues())
         return self._finish_op(func, record, scalars, [slot])[0]
 
-    def _mm_by_columns(self, func, rule, a, b, record, scalars):
-        """A matrix product with a large b of many columns (a language model's logits), rounded and, by the
-        trainer, scanned one block of columns at a time while the block is in cache (blocked.mm_by_columns). The
-        auditor rounds only; it reads the scale at its entries from the float32 operands (rules.NormFactor)."""
+    def _mm_in_blocks(self, func, rule, a, b, how, norms, record, scalars):
+        """A matrix product split by blocks of its result's rows or columns (blocked.mm_in_blocks: a weight's
+        gradient, a language model's logits), each block rounded and, by the trainer, scanned while it is in
+        cache. Without the blocks' ``norms`` (an auditor with few entries) the scale at an entry comes from the
+        float32 operands (rules.NormFactor)."""
         (m, k), n = a.shape, b.shape[1]
         grid, trainer = self.grid, self.writer is not None
         c = self.config.thresholds[rule.op_class]
         y32 = torch.empty((m, n), dtype=torch.float32, device=a.device)
-        cols = torch.empty((1, n), dtype=torch.float64, device=a.device) if trainer else None
+        row_norms = torch.empty((m, 1), dtype=torch.float64, device=a.device) if norms else None
+        col_norms = torch.empty((1, n), dtype=torch.float64, device=a.device) if norms else None
         found = []
 
-        def finish(j0, y, rows, block_cols):
-            w = y.shape[1]
+        def finish(rows, cols, y, block_rows, block_cols):
+            into = y32[rows, cols]
+            if norms:
+                row_norms[rows] = block_rows
+                col_norms[:, cols] = block_cols
             if not trainer:
-                y32[:, j0:j0 + w] = grid.round(y)
+                into.copy_(grid.round(y))
                 return
-            cols[:, j0:j0 + w] = block_cols
-            scale = rules.LazyScale([(rules._sqrt(k), [rows, block_cols])])
+            scale = rules.LazyScale([(rules._sqrt(k), [block_rows, block_cols])])
             out = self._epilogues().run(y, scale, c) if FusedKernels.enabled_for(y.numel(), y.device) else None
             if out is None:  # nothing compiled here: the eager rounding and scan, the same answers
-                y32[:, j0:j0 + w] = grid.round(y)
+                into.copy_(grid.round(y))
                 local = grid.candidate_positions(y, scale.materialize(y.shape), c)
             else:
-                y32[:, j0:j0 + w] = out[0]
+                into.copy_(out[0])
                 local = mask_positions(out[1])
             if local.numel():
-                found.append(local // w * n + j0 + local % w)
+                w = y.shape[1]
+                found.append((rows.start + local // w) * n + cols.start + local % w)
 
-        rows = blocked.mm_by_columns(a, b, finish, norms=trainer)
-        factors = [rows, cols] if trainer else [rules.NormFactor(a, -1), rules.NormFactor(b, -2)]
+        blocked.mm_in_blocks(a, b, how, finish, norms=norms)
+        factors = [row_norms, col_norms] if norms else [rules.NormFactor(a, -1), rules.NormFactor(b, -2)]
         scale = rules.LazyScale([(rules._sqrt(k), factors)])
         positions = torch.sort(torch.cat(found)).values if found else torch.zeros(0, dtype=torch.int64)
         slot = _ProductSlot(y32, positions, a, b, scale, rule.op_class)

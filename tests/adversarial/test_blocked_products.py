@@ -36,9 +36,9 @@ a, b = torch.load(sys.argv[1])
 config = EngineConfig(thresholds={"accumulate": float(sys.argv[2])})
 blocked.BLOCK_NUMEL = blocked.RESULT_BLOCK_NUMEL = 1000
 calls = []
-real, real_by_columns = blocked.mm, blocked.mm_by_columns
-blocked.mm = lambda *args, **kw: calls.append([args[2], kw["norms"]]) or real(*args, **kw)
-blocked.mm_by_columns = lambda *args, **kw: calls.append(["n", kw["norms"]]) or real_by_columns(*args, **kw)
+real, real_in_blocks = blocked.mm, blocked.mm_in_blocks
+blocked.mm = lambda *args, **kw: calls.append(["k", kw["norms"]]) or real(*args, **kw)
+blocked.mm_in_blocks = lambda *args, **kw: calls.append([args[2], kw["norms"]]) or real_in_blocks(*args, **kw)
 result = {}
 for name in sys.argv[3:]:
     with StepLogReader(name, expect_step=0, expect_bits=32) as reader:
@@ -74,9 +74,11 @@ def audit_in_child(tmp_path, a, b, c, *logs):
 
 # tau about 1/16 of half a spacing at 2**17 and 2**19, where the auditor's entries are many and it takes the norms
 # in its blocks; at 2**14 they are few (a few hundred over 3001 rows) and it reads the scale at them from its own
-# float32 operands, as an auditor always does in the logits' split ("n")
-@pytest.mark.parametrize("case,c,norms", [("k", 2.0**17, True), ("m", 2.0**19, True), ("m", 2.0**14, False),
-                                          ("n", 2.0**17, False)])
+# float32 operands. ``norms``: whether it takes them in its blocks replaying the honest log, and the forged one (in
+# "n" at 2**17 the honest log's entries are few, the forged one's many)
+@pytest.mark.parametrize("case,c,norms", [("k", 2.0**17, (True, True)), ("m", 2.0**19, (True, True)),
+                                          ("m", 2.0**14, (False, False)), ("n", 2.0**17, (False, True)),
+                                          ("n", 2.0**14, (False, False))])
 def test_forged_decisions_in_a_blocked_product_are_caught_by_an_auditor_on_another_variant(tmp_path, monkeypatch,
                                                                                            case, c, norms):
     a, b = operands(case)
@@ -100,7 +102,7 @@ def test_forged_decisions_in_a_blocked_product_are_caught_by_an_auditor_on_anoth
     forge_wrong_directions(tmp_path / "honest.vtlog", tmp_path / "forged.vtlog", targets, y64, tau)
 
     r = audit_in_child(tmp_path, a, b, c, tmp_path / "honest.vtlog", tmp_path / "forged.vtlog")
-    assert r["splits"] == [[case, norms]] * 2, "both replays took the blocked path, with the norms where expected"
+    assert r["splits"] == [[case, n] for n in norms], "both replays took the blocked path, with the norms where expected"
     honest, forged = r[str(tmp_path / "honest.vtlog")], r[str(tmp_path / "forged.vtlog")]
     assert honest["suspicious"] == 0 and honest["bits"] == trained.view(torch.int32).reshape(-1).tolist()
     assert forged["suspicious"] == len(targets)  # every forged entry, and nothing else

@@ -446,3 +446,23 @@ def test_the_deferred_benchs_native_composites_run_is_a_comparison_that_keeps_at
         deferred_step.main(["--native-composites", "--workloads", "resnet"])
     assert deferred_step.NATIVE_COMPOSITES
     assert not deferred_step._decomposes(torch.ops.aten.native_batch_norm.default, args, {})
+
+
+def test_the_epilogue_bench_splits_a_product_by_rows_without_changing_its_bits(capsys):
+    """bench/bench_epilogues.py: the product split by blocks of rows, each block rounded and tested by the epilogue
+    with its rows' norms, gives the whole product's float32 result and candidate mask; every variant runs."""
+    import torch
+
+    import bench_epilogues
+    from veritrain import fused
+    from veritrain.rounding import Grid
+
+    p = bench_epilogues.Product(96, 40, 72, fused.Epilogues(Grid(32)), seed=3)
+    p.coef = 2.0 ** 18  # a scale wide enough that some values are candidates and most are not
+    whole, blocks = p.whole(), p.by_rows(32)
+    flagged = int(whole[1].ne(0).sum())
+    assert 0 < flagged < whole[1].numel()
+    assert torch.equal(whole[0], blocks[0]) and torch.equal(whole[1], blocks[1])
+    bench_epilogues.main(["--shapes", "64x32x48", "--rows", "16", "--reps", "2", "--no-write"])
+    out = capsys.readouterr().out
+    assert "| (64 x 32) @ (32 x 48) |" in out and "by 16 rows" in out

@@ -359,7 +359,8 @@ def test_the_kernels_stability_test_finds_every_element_that_needs_an_entry():
     """Compiled kernels scan with rounding.stability_mask (the float32 grid): a candidate where y's rounding
     changes within b = tau (1 + 2**-40) + |y| 2**-50, or b 2**27 >= |y|. It must flag every element the exact
     classification gives an entry (ties with tau far below an ulp, the value threshold at tiny normals), eager
-    and compiled alike, and not flag exact ties of exact results (scale 0), which captured regions replay."""
+    and compiled alike, and not flag exact ties of exact results (scale 0), which captured regions replay, nor
+    results below float32's normal range whose rounding is not in doubt (the bit test flags every one)."""
     from veritrain import fused, rounding
 
     grid, y, scale, c = stability_cases()
@@ -380,6 +381,16 @@ def test_the_kernels_stability_test_finds_every_element_that_needs_an_entry():
     s = r.abs() * 1e6
     bits = rounding.candidate_mask(r, s, c, grid.low_mask, grid.half, grid.value_units) != 0
     assert int((rounding.stability_mask(r, s, c) != 0).sum()) <= int(bits.sum()) + 10
+    # and below float32's normal range, where the bit test flags every result with a nonzero scale (its low bits
+    # are not the grid's there): underflowing probabilities, AdamW's moments decaying to zero. The stability test
+    # flags only those whose rounding is in doubt, which is why the kernels keep it where the bit test's kernel
+    # is the cheaper one (docs/SPEED.md, session 37)
+    tiny = r * 2.0**-130
+    tiny_scale = tiny.abs()
+    is_value, is_dir, _ = grid.classify(tiny, c * UNIT_ROUNDOFF * tiny_scale)
+    assert not bool((is_value | is_dir).any())
+    assert bool((rounding.candidate_mask(tiny, tiny_scale, c, grid.low_mask, grid.half, grid.value_units) != 0).all())
+    assert int((rounding.kernel_flag(grid)(tiny, tiny_scale, c) != 0).sum()) == 0
 
 
 def test_kernels_on_coarser_grids_keep_the_bit_test():

@@ -321,3 +321,142 @@ def test_a_reader_gives_back_records_in_order(tmp_path):
     assert r.next_op() is None
     r.unread([])
     assert r.next_op() is None
+
+
+# --- row-local regions: the rows with something to log or check run step by step, the others replay ------------
+
+ROWS, WIDTH = 64, 64
+# thresholds at which a few of the 64 rows of each softmax region have a candidate in most steps
+SOME_ROWS = EngineConfig(thresholds={"accumulate": 2.0**18, "elementwise": 2.0**18})
+
+
+def train_rows(tmp_path, name, compile_mode, monkeypatch, replay_of=None):
+    """A linear layer under a log-softmax over 64 rows of 64 (forward and backward: row-local regions),
+    trained or replayed STEPS + 1 steps; returns (weights digest, stats, suspicious entries)."""
+    monkeypatch.setenv("VERITRAIN_COMPILE", compile_mode)
+    capture._CACHE.clear()
+    capture._CALLS.clear()
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(16, WIDTH)
+    opt = torch.optim.SGD(fc.parameters(), lr=0.1)
+    stats = []
+    for s in range(STEPS + 1):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(ROWS, 16, generator=g), torch.randint(0, WIDTH, (ROWS,), generator=g)
+        if replay_of is None:
+            io = {"writer": StepLogWriter(str(tmp_path / f"{name}-{s}.vtlog"), s, 32)}
+        else:
+            io = {"reader": StepLogReader(str(tmp_path / f"{replay_of}-{s}.vtlog"), expect_step=s, expect_bits=32)}
+        with logged_step(SOME_ROWS, s, **io) as mode:
+            opt.zero_grad()
+            loss = -torch.log_softmax(fc(x), -1)[torch.arange(ROWS), y].mean()
+            loss.backward()
+            opt.step()
+        stats.append(mode.stats)
+    digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in fc.state_dict().values())).hexdigest()
+    suspicious = [[(x.op_index, x.op, x.kind, x.slot, x.position) for x in s.suspicious] for s in stats]
+    return digest, [s.as_dict() for s in stats], suspicious
+
+
+def row_replays():
+    """Each captured region's (replays, of which by rows, fallbacks), by the decomposition's name."""
+    return {k[0].name(): (v.replays, v.row_replays, v.fallbacks) for k, v in capture._CACHE.items()
+            if isinstance(v, capture.Region)}
+
+
+def rows_log_bytes(tmp_path, name):
+    return [(tmp_path / f"{name}-{s}.vtlog").read_bytes() for s in range(STEPS + 1)]
+
+
+def test_a_trainers_row_local_region_runs_only_the_rows_with_candidates_step_by_step(tmp_path, monkeypatch):
+    """The compiled log-softmax regions flag candidates in a few rows: only those rows run under the eager
+    engine, and the log (entries at their positions in the whole call), the weights and the statistics are the
+    eager engine's, bit for bit."""
+    eager = train_rows(tmp_path, "eager", "0", monkeypatch)
+    captured = train_rows(tmp_path, "captured", "1", monkeypatch)
+    replays = row_replays()
+    assert set(replays) == {"aten::_log_softmax", "aten::_log_softmax_backward_data"}, replays
+    assert all(rows > 0 and fell_back == 0 for _, rows, fell_back in replays.values()), replays
+    assert sum(sum(s["entries_direction"].values()) for s in captured[1]) > 0
+    assert captured == eager
+    assert rows_log_bytes(tmp_path, "captured") == rows_log_bytes(tmp_path, "eager")
+
+
+@BOTH
+def test_an_auditors_row_local_region_runs_only_the_rows_with_entries_step_by_step(tmp_path, monkeypatch,
+                                                                                   compile_mode):
+    """Compiled, the regions run only their rows with entries step by step; run as Python (small regions), the
+    whole call, which costs about as much. The eager auditor's weights and statistics either way."""
+    train_rows(tmp_path, "run", "0", monkeypatch)
+    eager = train_rows(tmp_path, "x", "0", monkeypatch, replay_of="run")
+    audited = train_rows(tmp_path, "x", compile_mode, monkeypatch, replay_of="run")
+    replays = row_replays()
+    assert replays and all((rows > 0 and fell_back == 0) if compile_mode == "1" else (rows == 0 and fell_back > 0)
+                           for _, rows, fell_back in replays.values()), replays
+    assert audited == eager
+    assert not any(audited[2])
+
+
+@BOTH
+def test_a_forged_entry_in_a_row_local_region_is_named_where_it_is_in_the_whole_call(tmp_path, monkeypatch,
+                                                                                     compile_mode):
+    """A dishonest log adds direction entries far from any midpoint to the log-softmax's exp, in rows that had
+    no entry: the auditor runs those rows step by step and names each forged entry by its position in the
+    whole output, as the eager auditor does."""
+    train_rows(tmp_path, "run", "0", monkeypatch)
+    forged = [70, 1000, ROWS * WIDTH - 1]
+
+    def add_entries(rec):
+        o = rec.outputs[0]
+        had = dict(zip(o.dir_pos.tolist(), o.dir_bits.tolist()))
+        pos = np.union1d(o.dir_pos, forged).astype(np.int64)
+        rec.outputs[0] = OutputEntries(o.shape, pos, np.array([had.get(p, True) for p in pos.tolist()]),
+                                       o.val_pos, o.val_bits)
+
+    for s in range(1, STEPS + 1):
+        path = str(tmp_path / f"run-{s}.vtlog")
+        _, bits, records = read_records(path)
+        add_entries(next(r for r in records if r.name == "aten.exp.default"))  # the forward's
+        write_records(path, s, bits, records)
+    eager = train_rows(tmp_path, "x", "0", monkeypatch, replay_of="run")
+    audited = train_rows(tmp_path, "x", compile_mode, monkeypatch, replay_of="run")
+    assert row_replays()["aten::_log_softmax"][1] == (STEPS if compile_mode == "1" else 0), row_replays()
+    named = [sorted(p for _, op, kind, _, p in step if op == "aten.exp.default") for step in audited[2][1:]]
+    assert all(set(forged) <= set(positions) for positions in named), named
+    assert audited == eager
+
+
+@pytest.mark.parametrize("role", ["trainer", "auditor"])
+def test_rows_whose_stream_is_not_the_regions_run_the_whole_call_step_by_step(tmp_path, monkeypatch, role):
+    """Where the rows' run under the engine writes or reads other records than the region's (it never does:
+    here one more op is forced into it), nothing it did is kept: the whole call runs step by step, with the eager
+    engine's log, weights and statistics."""
+    train_rows(tmp_path, "run", "0", monkeypatch)
+    eager = train_rows(tmp_path, "x", "0", monkeypatch, replay_of="run" if role == "auditor" else None)
+    real = capture.fallback
+
+    def one_more_op(mode, func, args, kwargs):
+        if args[0].shape[0] < ROWS:  # the rows' run
+            with mode:
+                torch.ones(3).exp()
+        return real(mode, func, args, kwargs)
+
+    monkeypatch.setattr(capture, "fallback", one_more_op)
+    captured = train_rows(tmp_path, "x", "1", monkeypatch, replay_of="run" if role == "auditor" else None)
+    replays = row_replays()
+    assert all(rows == 0 and fell_back > 0 for _, rows, fell_back in replays.values()) and replays, replays
+    assert captured == eager
+    if role == "trainer":
+        assert rows_log_bytes(tmp_path, "x") == rows_log_bytes(tmp_path, "run")
+
+
+@pytest.mark.parametrize("role", ["trainer", "auditor"])
+def test_a_region_with_candidates_or_entries_in_many_rows_runs_the_whole_call_step_by_step(tmp_path, monkeypatch,
+                                                                                          role):
+    train_rows(tmp_path, "run", "0", monkeypatch)
+    eager = train_rows(tmp_path, "x", "0", monkeypatch, replay_of="run" if role == "auditor" else None)
+    monkeypatch.setattr(capture, "MAX_ROW_SHARE", 0.0)
+    captured = train_rows(tmp_path, "x", "1", monkeypatch, replay_of="run" if role == "auditor" else None)
+    replays = row_replays()
+    assert all(rows == 0 for _, rows, _ in replays.values()) and any(f for _, _, f in replays.values()), replays
+    assert captured == eager

@@ -33,17 +33,25 @@ step by step under the engine, exactly as without capture (``fallback``):
 * anything the lowering does not cover (random ops, writes other than a copy into an argument, float64
   operands, other grids than float32, a tensor from outside the call): that signature stays eager.
 
+A row-local region (the softmaxes along the last dimension, forward and backward: ``ROW_LOCAL``), compiled,
+narrows the first two to rows (``_replay_rows``): its trainer's function flags candidates by rows, and the
+auditor finds the rows its records' entries lie in; where those are at most a quarter of the rows, only they
+run step by step under the engine, which logs, applies and checks there as always, and replace theirs in the
+function's result. A language model's log-softmax over its vocabulary has entries in a few of its rows in
+most steps; it ran step by step whole before.
+
 The trainer writes a replayed region's records as one byte string and the auditor matches them as one
 (logformat.QuietRun): the records of ~20 ops cost a dict lookup and a comparison, not ~20 encodings or parses.
 Bytes other than the honest ones are parsed record by record and compared with the templates, as above.
 
-A signature whose recorded calls needed log entries, or whose replays keep falling back (a language model's
-log-softmax over its vocabulary has candidates in most steps), stays eager. ``enabled_for`` says where
+A signature whose recorded calls needed log entries (unless it is row-local), or whose replays keep falling
+back, stays eager. ``enabled_for`` says where
 capture runs; tests/test_capture.py holds it to the eager engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -61,6 +69,11 @@ from .rounding import any_candidate as _any_candidate, kernel_flag
 aten = torch.ops.aten
 MIN_TRIES = 4  # replays before a region's fallback share is judged
 MAX_FALLBACK_SHARE = 0.5  # beyond it, the region stays eager from then on
+# decompositions whose every value in a row (along the last dimension) depends on that row alone: a replay
+# with a candidate runs only the candidates' rows step by step (``_replay_rows``)
+ROW_LOCAL = frozenset({aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
+                       aten._log_softmax_backward_data.default})
+MAX_ROW_SHARE = 0.25  # more rows than this with a candidate: the whole call runs step by step
 _ATOMIC = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
@@ -85,8 +98,9 @@ class Region:
 
     _ids = itertools.count()
 
-    def __init__(self, n_inputs, lines, env, templates, results, mutations, want_cand):
+    def __init__(self, n_inputs, lines, env, templates, results, mutations, want_cand, rows=None):
         self.n_inputs, self.templates, self.results, self.mutations = n_inputs, templates, results, mutations
+        self.rows = rows  # (rows, row length) of a row-local region (ROW_LOCAL), else None
         self.quiet = QuietRun((t.label, t.scalars, t.shapes, t.rounded) for t in templates)  # their log records
         self.analysed = sum(t.analysed for t in templates)
         self.want_cand = want_cand
@@ -94,6 +108,7 @@ class Region:
         self._env = env
         self._python = self._fn = None
         self.replays = 0
+        self.row_replays = 0  # of the replays, those that ran the rows with a candidate step by step
         self.fallbacks = 0
         self.broken = False
 
@@ -144,6 +159,14 @@ def _any_flag(flags):
     512 x 50257 log-probabilities, 206 MB written and read again each step (`python bench/bench_regions.py`)."""
     parts = [(f.flatten(0, -2).amax(-1) if f.dim() >= 2 else f.reshape(-1)).amax() > 0 for f in flags if f.numel()]
     return torch.stack(parts).any() if parts else torch.zeros((), dtype=torch.bool)
+
+
+def _row_flags(flags, rows: int):
+    """For a row-local region (ROW_LOCAL): whether each of its ``rows`` rows holds a candidate of any of the
+    compiled function's flags, as a bool vector. Each flag is reduced along its row, which inductor fuses into
+    the loop that computes it, as in ``_any_flag``."""
+    parts = [f.reshape(rows, -1).amax(-1) for f in flags if f.numel()]
+    return torch.stack(parts).amax(0) > 0 if parts else torch.zeros(rows, dtype=torch.bool)
 
 
 _EAGER = object()  # a signature that is not captured
@@ -298,19 +321,38 @@ def _record(mode, func, args, kwargs, key, tensors):
         mode.recorder = None
         if writer is not None:
             del writer.op, writer.quiet_ops
-    if _entries(mode.stats) > entries:
-        # a call that needed log entries: its replay would fall back; capture a later, quiet call instead
-        noisy = _CACHE.get(key, 0) + 1
-        with _LOCK:
-            _CACHE[key] = noisy if noisy < NOISY_CALLS else _EAGER
-        return out
+    rows = _rows(func, args, kwargs, tensors)
+    noisy = _entries(mode.stats) > entries
     try:
-        region = _lower(mode, rec, out)
+        region = None if noisy and rows is None else _lower(mode, rec, out, rows)
     except Uncapturable:
         region = _EAGER
+    if noisy and (region is None or region is not _EAGER and region.rows is None):
+        # a call that needed log entries: its replay would fall back; capture a later, quiet call instead (a
+        # row-local region replays with them: _replay_rows)
+        calls = _CACHE.get(key, 0) + 1
+        region = calls if calls < NOISY_CALLS else _EAGER
     with _LOCK:
         _CACHE[key] = region
     return out
+
+
+def _rows(func, args, kwargs, tensors):
+    """(rows, row length) where ``func`` is row-local (ROW_LOCAL) along the last dimension of its tensors, all
+    of one shape and contiguous, with at least two rows; otherwise None."""
+    from .engine import _named
+
+    if func not in ROW_LOCAL or not tensors:
+        return None
+    shape = tuple(tensors[0].shape)
+    if not shape or any(tuple(t.shape) != shape or not t.is_contiguous() for t in tensors):
+        return None
+    dim = _named(func, args, kwargs).get("dim")
+    if not isinstance(dim, int) or dim % len(shape) != len(shape) - 1:
+        return None
+    n = shape[-1]
+    rows = math.prod(shape[:-1])
+    return (rows, n) if n and rows >= 2 else None
 
 
 def _entries(stats) -> int:
@@ -321,9 +363,10 @@ def _entries(stats) -> int:
 # --- lowering -------------------------------------------------------------------------------------------
 
 
-def _lower(mode, rec: Recorder, out) -> Region:
+def _lower(mode, rec: Recorder, out, rows=None) -> Region:
     """The recorded stream as the source of one function ``program(i0, i1, ...)`` returning the call's
-    results, the new values of the arguments it wrote, and (trainer) whether any result is a candidate."""
+    results, the new values of the arguments it wrote, and (trainer) whether any result is a candidate: for a
+    row-local region (``rows``: its rows and their length), compiled, in which rows."""
     from .engine import _flatten_result, _info, _named, _scalar_entry
 
     grid = mode.grid
@@ -332,7 +375,9 @@ def _lower(mode, rec: Recorder, out) -> Region:
     env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": flag, "ANY": _any_flag,
            "SUMFLAG": functools.partial(_certified_flag, flag),
            # run as Python: the eager engine's own bulk test, in NumPy (rounding.any_candidate), one bool an op
-           "PYTHON": {"FLAG": python_flag, "ANY": any, "SUMFLAG": functools.partial(_certified_flag_lazily, python_flag)}}
+           "ROWS": _row_flags,
+           "PYTHON": {"FLAG": python_flag, "ANY": any, "ROWS": lambda flags, rows: any(flags),
+                      "SUMFLAG": functools.partial(_certified_flag_lazily, python_flag)}}
     lines = [f"def program({', '.join(f'i{k}' for k in range(len(rec.inputs)))}):"]
     templates, cands, mutations, written = [], [], [], set()
     want = mode.writer is not None
@@ -416,7 +461,10 @@ def _lower(mode, rec: Recorder, out) -> Region:
             raise Uncapturable("a result the region did not compute")
     got = [r for r in result_names if r is not None and not r.startswith("i")]
     muts = [r for _, r in mutations]
-    flag = f"ANY([{', '.join(cands)}])" if cands else "None"
+    if rows is not None and (len(got) != 1 or muts or any(
+            s[:-1] != tuple(rec.inputs[0].shape[:-1]) or s[-1] not in (rows[1], 1) for t in templates for s in t.shapes)):
+        rows = None  # not one result, or an op's result not laid out by the input's rows
+    flag = "None" if not cands else f"ROWS([{', '.join(cands)}], {rows[0]})" if rows else f"ANY([{', '.join(cands)}])"
     lines.append(f"    return ({', '.join(got)}{',' if got else ''}), ({', '.join(muts)}{',' if muts else ''}), {flag}")
 
     if want:  # the templates must be what the eager engine wrote (entries aside)
@@ -425,7 +473,7 @@ def _lower(mode, rec: Recorder, out) -> Region:
             raise Uncapturable("the templates differ from the records written")
     structure = (type(out), [r is not None for r in result_names]) if isinstance(out, (tuple, list)) else None
     return Region(len(rec.inputs), lines, env, templates, (structure, result_names),
-                  [k for k, _ in mutations], want)
+                  [k for k, _ in mutations], want, rows)
 
 
 def _lower_approx(func, rule, leaves, spec, names, env, j, scaled: bool):
@@ -544,7 +592,7 @@ def _unflatten(leaves, spec):
 
 def _replay(mode, func, args, kwargs, region: Region, tensors, compiled: bool):
     reader, writer = mode.reader, mode.writer
-    read = []
+    read, entry_rows = [], None
     if reader is not None:
         if reader.skip_quiet(region.quiet):  # the honest bytes: they parse to the templates
             read = None
@@ -554,9 +602,16 @@ def _replay(mode, func, args, kwargs, region: Region, tensors, compiled: bool):
                 if rec is not None:
                     read.append(rec)
                 if rec is None or rec.name != t.label or [tuple(o.shape) for o in rec.outputs] != t.shapes \
-                        or any(o.n_entries for o in rec.outputs) \
                         or [(int(p), bool(b)) for p, b in rec.scalars] != t.scalars:
                     reader.unread(read)  # the eager engine reads them again, and applies and checks what they say
+                    region.fallbacks += 1
+                    return fallback(mode, func, args, kwargs)
+            if any(o.n_entries for r in read for o in r.outputs):
+                # entries: the rows that hold them run step by step (a compiled row-local region, few such
+                # rows; as Python, the function costs about what it saves), or the whole call does
+                entry_rows = _rows_with_entries(region, read) if region.rows is not None and compiled else None
+                if entry_rows is None or len(entry_rows) > MAX_ROW_SHARE * region.rows[0]:
+                    reader.unread(read)
                     region.fallbacks += 1
                     return fallback(mode, func, args, kwargs)
     try:
@@ -568,7 +623,22 @@ def _replay(mode, func, args, kwargs, region: Region, tensors, compiled: bool):
             reader.unread(read if read is not None else
                           [OpRecord(t.label, list(t.scalars), list(t.entries)) for t in region.templates])
         return fallback(mode, func, args, kwargs)
-    if flag is not None and bool(flag):  # a candidate: the eager engine classifies and logs it
+    if entry_rows is not None:  # the auditor's rows with entries
+        if _replay_rows(mode, func, args, kwargs, region, results[0], torch.from_numpy(entry_rows), read):
+            region.replays += 1
+            region.row_replays += 1
+            return _results(region, tensors, results, new_values)
+        reader.unread(read)
+        region.fallbacks += 1
+        return fallback(mode, func, args, kwargs)
+    if flag is not None and bool(flag.any() if isinstance(flag, torch.Tensor) else flag):  # a candidate
+        # the eager engine classifies and logs it: in the rows that hold one (a compiled row-local region's
+        # flags are by rows, few such rows), or in the whole call
+        if isinstance(flag, torch.Tensor) and flag.dim() and flag.sum() <= MAX_ROW_SHARE * region.rows[0] \
+                and _replay_rows(mode, func, args, kwargs, region, results[0], flag.nonzero().squeeze(1)):
+            region.replays += 1
+            region.row_replays += 1
+            return _results(region, tensors, results, new_values)
         region.fallbacks += 1
         return fallback(mode, func, args, kwargs)
     region.replays += 1
@@ -581,6 +651,11 @@ def _replay(mode, func, args, kwargs, region: Region, tensors, compiled: bool):
     if writer is not None:
         stats.analysed += region.analysed
         writer.quiet_ops(quiet)
+    return _results(region, tensors, results, new_values)
+
+
+def _results(region, tensors, results, new_values):
+    """What the call returns, from the function's results; the arguments it writes written."""
     for k, value in zip(region.mutations, new_values):
         tensors[k].copy_(value)
     structure, names = region.results
@@ -590,3 +665,143 @@ def _replay(mode, func, args, kwargs, region: Region, tensors, compiled: bool):
         return values[0]
     kind, _ = structure
     return kind(values)
+
+
+def _rows_with_entries(region: Region, records) -> np.ndarray:
+    """The rows (ascending) in which the auditor's ``records`` for a row-local region have entries. Every
+    record's shapes are the templates' (checked), and the reader holds each position inside its output."""
+    found = [np.concatenate([o.dir_pos, o.val_pos]) // shape[-1]
+             for r, t in zip(records, region.templates) for o, shape in zip(r.outputs, t.shapes) if o.n_entries]
+    return np.unique(np.concatenate(found))
+
+
+def _replay_rows(mode, func, args, kwargs, region: Region, result, picked, records=None) -> bool:
+    """A row-local region (ROW_LOCAL) with something to log or check in a few of its rows (``picked``, ascending):
+    those rows alone run step by step under the eager engine, and replace theirs in the function's ``result``.
+
+    Trainer (``records`` None; the rows in which its function found candidates): the eager engine classifies
+    and logs their candidates, and the region's records are written with those entries at their positions in
+    the whole call. Auditor (``records``: the region's records, read from the log, with their entries in these
+    rows): the eager engine applies and checks each entry, reading the records with the entries at their
+    positions in the rows' part (and names a suspicious entry by its position in the whole call).
+
+    The other rows keep the function's values. Each row's values depend on that row alone, and in a row
+    without a candidate no machine within the error model rounds any value differently (as in a region
+    without any); a row without entries is one an honest trainer found no candidate in, and the auditor's own
+    rounding is what the eager engine would apply there too. Where the rows' stream is not the region's (never
+    seen), nothing is written and the statistics are as before: False sends the whole call step by step."""
+    n_rows, n = region.rows
+    k = len(picked)
+    if not result.is_contiguous():
+        return False
+
+    def rows_of(x):
+        if isinstance(x, torch.Tensor):
+            return x.reshape(n_rows, n).index_select(0, picked).reshape((k,) + (1,) * (x.dim() - 2) + (n,))
+        return x
+
+    def part(shape):  # an output's shape in the rows' run
+        return (k,) + (1,) * (len(shape) - 2) + (shape[-1],)
+
+    sub_args, sub_kwargs = [rows_of(x) for x in args], {key: rows_of(v) for key, v in kwargs.items()}
+    templates, at = region.templates, picked.numpy()
+    stats, phase = mode.stats, mode._phase()
+    before = (mode.op_index, stats.ops, stats.rounded[phase], stats.analysed, dict(stats.entries_dir),
+              dict(stats.entries_val), stats.entries_scalar, dict(stats.corrections), stats.suspicious_count,
+              len(stats.suspicious), stats.freedom_direction, stats.freedom_value, stats.freedom_value_window,
+              stats.freedom_value_cells)
+
+    def restore():
+        (mode.op_index, stats.ops, stats.rounded[phase], stats.analysed, stats.entries_dir, stats.entries_val,
+         stats.entries_scalar, stats.corrections, stats.suspicious_count, n_suspicious, stats.freedom_direction,
+         stats.freedom_value, stats.freedom_value_window, stats.freedom_value_cells) = before
+        del stats.suspicious[n_suspicious:]
+
+    written = []
+    if records is None:
+        writer = mode.writer
+        writer.op = lambda name, scalars, outputs, rounded: written.append((name, scalars, outputs))
+        try:
+            sub = fallback(mode, func, sub_args, sub_kwargs)
+        finally:
+            del writer.op
+        if len(written) != len(templates) or any(
+                name != t.label or [(int(p), bool(b)) for p, b in scalars] != t.scalars
+                or [tuple(o.shape) for o in outputs] != [part(s) for s in t.shapes]
+                for t, (name, scalars, outputs) in zip(templates, written)):
+            restore()
+            return False
+        for t, (_, scalars, outputs) in zip(templates, written):
+            writer.op(t.label, scalars, [_in_rows(o, shape, at) for o, shape in zip(outputs, t.shapes)], t.rounded)
+        stats.analysed = before[3] + region.analysed
+    else:
+        from .engine import ReplayMismatchError
+
+        reader = mode.reader
+        mode.reader = _RowRecords([OpRecord(r.name, r.scalars, [_to_rows(o, part(shape), at)
+                                                               for o, shape in zip(r.outputs, t.shapes)])
+                                   for r, t in zip(records, templates)])
+        try:
+            sub = fallback(mode, func, sub_args, sub_kwargs)
+            done = mode.reader.done
+        except ReplayMismatchError:
+            done = False
+        finally:
+            mode.reader = reader
+        if not done or mode.op_index != before[0] + len(templates):
+            restore()
+            return False
+        for j, x in enumerate(stats.suspicious[before[9]:], start=before[9]):  # positions in the whole call
+            t = x.op_index - before[0] - 1
+            if 0 <= t < len(templates) and x.slot < len(templates[t].shapes):
+                stats.suspicious[j] = dataclasses.replace(
+                    x, position=int(_in_rows_positions(np.array([x.position]), templates[t].shapes[x.slot], at)[0]))
+    # the sizes the eager engine counts for the whole call; the entries and ops were counted by the rows' run
+    stats.rounded[phase] = before[2] + region.quiet.rounded
+    result.view(n_rows, n)[picked] = sub.reshape(k, n)
+    return True
+
+
+class _RowRecords:
+    """The log records a row-local region's rows read in the auditor's ``_replay_rows``, in order."""
+
+    def __init__(self, records):
+        self._records = list(reversed(records))
+
+    def next_op(self):
+        return self._records.pop() if self._records else None
+
+    def skip_quiet(self, run) -> bool:
+        return False
+
+    def unread(self, records):
+        self._records.extend(reversed(records))
+
+    @property
+    def done(self) -> bool:
+        return not self._records
+
+
+def _in_rows_positions(pos, shape, rows: np.ndarray):
+    """Positions in the picked ``rows``' part of an output -> positions in the whole output of ``shape``."""
+    width = shape[-1]
+    return rows[pos // width] * width + pos % width
+
+
+def _in_rows(entries: OutputEntries, shape, rows: np.ndarray) -> OutputEntries:
+    """The entries of the picked ``rows``' part of an output, at their positions in the whole output of
+    ``shape`` (the rows are ascending, so the positions stay so)."""
+    return OutputEntries(tuple(shape), _in_rows_positions(entries.dir_pos, shape, rows), entries.dir_bits,
+                         _in_rows_positions(entries.val_pos, shape, rows), entries.val_bits)
+
+
+def _to_rows(entries: OutputEntries, part_shape, rows: np.ndarray) -> OutputEntries:
+    """The inverse of ``_in_rows``: entries of a whole output, all in the picked ``rows``, at their positions in
+    the rows' part (of ``part_shape``)."""
+    width = part_shape[-1]
+
+    def place(pos):
+        return np.searchsorted(rows, pos // width) * width + pos % width
+
+    return OutputEntries(tuple(part_shape), place(entries.dir_pos), entries.dir_bits, place(entries.val_pos),
+                         entries.val_bits)

@@ -56,10 +56,7 @@ def train(tmp_path, name, compile_mode, monkeypatch, config=None, replay_of=None
     stats = []
     for s in range(STEPS):
         x, y = batch(s)
-        if replay_of is None:
-            io = {"writer": StepLogWriter(str(tmp_path / f"{name}-{s}.vtlog"), s, 32)}
-        else:
-            io = {"reader": StepLogReader(str(tmp_path / f"{replay_of}-{s}.vtlog"), expect_step=s, expect_bits=32)}
+        io = step_log(tmp_path, name, s, replay_of)
         with logged_step(cfg, s, **io) as mode:
             opt.zero_grad()
             out = net(x)
@@ -69,6 +66,13 @@ def train(tmp_path, name, compile_mode, monkeypatch, config=None, replay_of=None
         stats.append(mode.stats)
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values())).hexdigest()
     return digest, stats
+
+
+def step_log(tmp_path, name, step, replay_of=None) -> dict:
+    """``logged_step``'s log argument: a writer of run ``name``'s log of ``step``, or a reader of ``replay_of``'s."""
+    if replay_of is None:
+        return {"writer": StepLogWriter(str(tmp_path / f"{name}-{step}.vtlog"), step, 32)}
+    return {"reader": StepLogReader(str(tmp_path / f"{replay_of}-{step}.vtlog"), expect_step=step, expect_bits=32)}
 
 
 def regions():
@@ -343,10 +347,7 @@ def train_rows(tmp_path, name, compile_mode, monkeypatch, replay_of=None):
     for s in range(STEPS + 1):
         g = torch.Generator().manual_seed(s)
         x, y = torch.randn(ROWS, 16, generator=g), torch.randint(0, WIDTH, (ROWS,), generator=g)
-        if replay_of is None:
-            io = {"writer": StepLogWriter(str(tmp_path / f"{name}-{s}.vtlog"), s, 32)}
-        else:
-            io = {"reader": StepLogReader(str(tmp_path / f"{replay_of}-{s}.vtlog"), expect_step=s, expect_bits=32)}
+        io = step_log(tmp_path, name, s, replay_of)
         with logged_step(SOME_ROWS, s, **io) as mode:
             opt.zero_grad()
             loss = -torch.log_softmax(fc(x), -1)[torch.arange(ROWS), y].mean()

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from veritrain import capture
 from veritrain.engine import EngineConfig, logged_step
@@ -461,3 +462,32 @@ def test_a_region_with_candidates_or_entries_in_many_rows_runs_the_whole_call_st
     replays = row_replays()
     assert all(rows == 0 for _, rows, _ in replays.values()) and any(f for _, _, f in replays.values()), replays
     assert captured == eager
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_entries_move_between_a_whole_output_and_its_rows_part_and_back(data):
+    """capture._to_rows and capture._in_rows on random outputs (rows of n values, or one per row, behind any
+    leading shape), picked rows and entries in them: each entry keeps its row and column, the positions stay
+    strictly increasing, and the round trip gives the whole output's entries back."""
+    lead = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
+    rows = int(np.prod(lead))
+    width = data.draw(st.sampled_from([1, data.draw(st.integers(1, 40))]))
+    picked = np.array(sorted(data.draw(st.sets(st.integers(0, rows - 1), min_size=1))), np.int64)
+    shape = tuple(lead) + (width,)
+    candidates = (picked[:, None] * width + np.arange(width)).reshape(-1)
+    chosen = np.array(sorted(data.draw(st.sets(st.sampled_from(candidates.tolist())))), np.int64)
+    split = data.draw(st.lists(st.booleans(), min_size=len(chosen), max_size=len(chosen)))
+    is_dir = np.array(split, bool)
+    whole = OutputEntries(shape, chosen[is_dir], np.ones(int(is_dir.sum()), bool), chosen[~is_dir],
+                          np.arange(int((~is_dir).sum()), dtype=np.uint32))
+    part_shape = (len(picked),) + (1,) * (len(shape) - 2) + (width,)
+    part = capture._to_rows(whole, part_shape, picked)
+    for pos, sub in ((whole.dir_pos, part.dir_pos), (whole.val_pos, part.val_pos)):
+        assert (np.diff(sub) > 0).all() and ((sub >= 0) & (sub < len(picked) * width)).all()
+        assert (picked[sub // width] == pos // width).all() and (sub % width == pos % width).all()
+    back = capture._in_rows(part, shape, picked)
+    assert back.shape == shape
+    for a, b in ((whole.dir_pos, back.dir_pos), (whole.val_pos, back.val_pos), (whole.dir_bits, back.dir_bits),
+                 (whole.val_bits, back.val_bits)):
+        assert np.array_equal(a, b)

@@ -42,6 +42,14 @@ def _run(path, compiled, monkeypatch, reader=False):
     return outs
 
 
+@pytest.fixture(autouse=True)
+def own_kernels(monkeypatch):
+    """Each test here compiles its own fused kernels. An op's quota (MAX_KERNELS_PER_OP) counts every kernel the
+    process built for it, so kernels of tests run earlier in the same worker (another threshold, another
+    structure) could use it up, and a test that asserts its kernels ran would find the eager engine instead."""
+    monkeypatch.setattr(engine, "_FUSED_CACHE", {})
+
+
 @pytest.fixture
 def builds(monkeypatch):
     """(op, (whether it scans, the operand it writes in place)) of every fused kernel built while the test runs."""

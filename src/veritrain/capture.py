@@ -51,6 +51,7 @@ capture runs; tests/test_capture.py holds it to the eager engine.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -705,17 +706,11 @@ def _replay_rows(mode, func, args, kwargs, region: Region, result, picked, recor
 
     sub_args, sub_kwargs = [rows_of(x) for x in args], {key: rows_of(v) for key, v in kwargs.items()}
     templates, at = region.templates, picked.numpy()
-    stats, phase = mode.stats, mode._phase()
-    before = (mode.op_index, stats.ops, stats.rounded[phase], stats.analysed, dict(stats.entries_dir),
-              dict(stats.entries_val), stats.entries_scalar, dict(stats.corrections), stats.suspicious_count,
-              len(stats.suspicious), stats.freedom_direction, stats.freedom_value, stats.freedom_value_window,
-              stats.freedom_value_cells)
+    phase, op_index = mode._phase(), mode.op_index
+    before = copy.deepcopy(mode.stats)  # what the rows' run counts is undone, or corrected to the whole call's
 
     def restore():
-        (mode.op_index, stats.ops, stats.rounded[phase], stats.analysed, stats.entries_dir, stats.entries_val,
-         stats.entries_scalar, stats.corrections, stats.suspicious_count, n_suspicious, stats.freedom_direction,
-         stats.freedom_value, stats.freedom_value_window, stats.freedom_value_cells) = before
-        del stats.suspicious[n_suspicious:]
+        mode.stats, mode.op_index = before, op_index
 
     written = []
     if records is None:
@@ -733,7 +728,7 @@ def _replay_rows(mode, func, args, kwargs, region: Region, result, picked, recor
             return False
         for t, (_, scalars, outputs) in zip(templates, written):
             writer.op(t.label, scalars, [_in_rows(o, shape, at) for o, shape in zip(outputs, t.shapes)], t.rounded)
-        stats.analysed = before[3] + region.analysed
+        mode.stats.analysed = before.analysed + region.analysed
     else:
         from .engine import ReplayMismatchError
 
@@ -748,16 +743,17 @@ def _replay_rows(mode, func, args, kwargs, region: Region, result, picked, recor
             done = False
         finally:
             mode.reader = reader
-        if not done or mode.op_index != before[0] + len(templates):
+        if not done or mode.op_index != op_index + len(templates):
             restore()
             return False
-        for j, x in enumerate(stats.suspicious[before[9]:], start=before[9]):  # positions in the whole call
-            t = x.op_index - before[0] - 1
+        suspicious = mode.stats.suspicious
+        for j, x in enumerate(suspicious[len(before.suspicious):], start=len(before.suspicious)):
+            t = x.op_index - op_index - 1  # its position in the whole call
             if 0 <= t < len(templates) and x.slot < len(templates[t].shapes):
-                stats.suspicious[j] = dataclasses.replace(
+                suspicious[j] = dataclasses.replace(
                     x, position=int(_in_rows_positions(np.array([x.position]), templates[t].shapes[x.slot], at)[0]))
     # the sizes the eager engine counts for the whole call; the entries and ops were counted by the rows' run
-    stats.rounded[phase] = before[2] + region.quiet.rounded
+    mode.stats.rounded[phase] = before.rounded[phase] + region.quiet.rounded
     result.view(n_rows, n)[picked] = sub.reshape(k, n)
     return True
 

@@ -45,8 +45,9 @@ def _run(path, compiled, monkeypatch, reader=False):
 @pytest.fixture(autouse=True)
 def own_kernels(monkeypatch):
     """Each test here compiles its own fused kernels. An op's quota (MAX_KERNELS_PER_OP) counts every kernel the
-    process built for it, so kernels of tests run earlier in the same worker (another threshold, another
-    structure) could use it up, and a test that asserts its kernels ran would find the eager engine instead."""
+    process built for it at one threshold and role, so kernels of tests run earlier in the same worker (another
+    structure, the same threshold) could use it up, and a test that asserts its kernels ran would find the eager
+    engine instead."""
     monkeypatch.setattr(engine, "_FUSED_CACHE", {})
 
 
@@ -94,6 +95,30 @@ def test_an_op_compiles_at_most_its_quota_of_kernels_then_runs_eagerly(tmp_path,
     assert len(pows) <= 2, pows
     assert all(torch.equal(a, b) for a, b in zip(logs[True], logs[False]))
     assert (tmp_path / "True.vtlog").read_bytes() == (tmp_path / "False.vtlog").read_bytes()
+
+
+def test_an_ops_quota_is_counted_per_threshold_and_role(tmp_path, monkeypatch, builds):
+    """A process that trains and audits under several thresholds (a calibration, a sweep, a notebook) builds an
+    op's kernels for each threshold and role: each is within its own quota, so none runs eagerly for want of
+    the others'. (Counted per op, the third threshold's kernel here was never built.)"""
+    monkeypatch.setattr(fused.FusedKernels, "MAX_KERNELS_PER_OP", 2)
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+    x = torch.rand(64, 64, generator=torch.Generator().manual_seed(3)) + 0.5
+    thresholds = [2.0**20, 2.0**22, 2.0**25]
+    for c in thresholds:
+        config = EngineConfig(thresholds={"elementwise": c})
+        log = str(tmp_path / f"{c}.vtlog")
+        w = StepLogWriter(log, 0, 32)
+        with step_context(config, 0, writer=w):
+            trained = [x.exp(), x.pow(1.5), x.pow(2.5)]
+        w.close()
+        with StepLogReader(log, expect_step=0, expect_bits=32) as r, step_context(config, 0, reader=r) as mode:
+            audited = [x.exp(), x.pow(1.5), x.pow(2.5)]
+        assert mode.stats.suspicious_count == 0 and all(map(torch.equal, trained, audited))
+    exps = [how for f, how in builds if f is torch.ops.aten.exp.default]
+    assert sorted(exps) == sorted([(True, None), (False, None)] * len(thresholds)), exps
+    pows = [how for f, how in builds if f is torch.ops.aten.pow.Tensor_Scalar]
+    assert len(pows) == 2 * 2 * len(thresholds), pows  # two exponents, each role, each threshold
 
 
 def test_a_kernel_compiles_once_whatever_the_callers_grad_mode(monkeypatch):

@@ -198,7 +198,7 @@ class FusedKernels:
     def __init__(self, grid: Grid):
         self.grid = grid
         self._cache: dict = {}
-        self._per_op: dict = {}  # op -> kernels compiled for it
+        self._per_op: dict = {}  # (op, threshold, scans, in place) -> kernels compiled for it
         self._ids = itertools.count()
 
     @staticmethod
@@ -257,8 +257,11 @@ class FusedKernels:
                tuple(repr(c) for c in consts), scale_fn, formula is not None)
         return Plan(key, shape, tensors, scalars, consts, layout, formula, kw)
 
-    # kernels one op may compile (its constant scalars and argument structures); past that it runs eagerly: a
-    # scalar baked into the kernel (pow's exponent, say) that changes every call would compile every call
+    # kernels one op may compile (its constant scalars and argument structures) for one threshold and role (a
+    # trainer's kernel scans, an auditor's does not; in place or not); past that it runs eagerly: a scalar baked
+    # into the kernel (pow's exponent, say) that changes every call would compile every call. Counted per
+    # threshold and role, not per op: a process that trains, audits and calibrates (thresholds of its own) would
+    # otherwise use up an op's quota and run it eagerly from then on, several times slower and without a word
     MAX_KERNELS_PER_OP = 8
 
     def kernel(self, plan, func, scale_fn, c, want_cand, into=None):
@@ -269,9 +272,10 @@ class FusedKernels:
         full_key = (plan.key, c, want_cand, into)
         k = self._cache.get(full_key)
         if k is None:
-            if self._per_op.get(func, 0) >= self.MAX_KERNELS_PER_OP:
+            quota = (func, c, want_cand, into)
+            if self._per_op.get(quota, 0) >= self.MAX_KERNELS_PER_OP:
                 return None
-            self._per_op[func] = self._per_op.get(func, 0) + 1
+            self._per_op[quota] = self._per_op.get(quota, 0) + 1
             k = self._cache[full_key] = self._build(func, plan, scale_fn, c, want_cand, into)
         return k
 

@@ -452,6 +452,32 @@ def test_rows_whose_stream_is_not_the_regions_run_the_whole_call_step_by_step(tm
         assert rows_log_bytes(tmp_path, "x") == rows_log_bytes(tmp_path, "run")
 
 
+def test_an_auditors_rows_apply_a_worst_case_trainers_corrections(tmp_path, monkeypatch):
+    """The trainer runs on the worst hardware the error model allows (``perturb``, where capture is off), so some
+    of its entries in the regions' rows contradict this CPU's rounding: the compiled auditor's rows' runs apply
+    them, reaching the eager auditor's weights and statistics, corrections included, with nothing suspicious."""
+    monkeypatch.setenv("VERITRAIN_EMULATE", "perturb")
+    trained = train_rows(tmp_path, "run", "0", monkeypatch)
+    monkeypatch.delenv("VERITRAIN_EMULATE")
+    eager = train_rows(tmp_path, "x", "0", monkeypatch, replay_of="run")
+    in_rows = []
+    real = capture._replay_rows
+
+    def counted(mode, *args, **kwargs):
+        before = sum(mode.stats.corrections.values())
+        done = real(mode, *args, **kwargs)
+        in_rows.append(sum(mode.stats.corrections.values()) - before if done else 0)
+        return done
+
+    monkeypatch.setattr(capture, "_replay_rows", counted)
+    audited = train_rows(tmp_path, "x", "1", monkeypatch, replay_of="run")
+    replays = row_replays()
+    assert replays and all(rows > 0 and fell_back == 0 for _, rows, fell_back in replays.values()), replays
+    assert sum(in_rows) > 0, "perturb never crossed a midpoint in the rows' runs: the check is vacuous"
+    assert audited == eager and not any(audited[2])
+    assert audited[0] == trained[0]
+
+
 @pytest.mark.parametrize("role", ["trainer", "auditor"])
 def test_a_region_with_candidates_or_entries_in_many_rows_runs_the_whole_call_step_by_step(tmp_path, monkeypatch,
                                                                                           role):

@@ -16,9 +16,10 @@ corrections made by the compiled paths' slots, not only by the eager engine's.
 import collections
 
 import pytest
+import torch
 
 from conftest import shared_file
-from veritrain import capture, engine
+from veritrain import blocked, capture, engine
 from veritrain.runner import TrainOptions, audit, train
 
 TASKS = {  # task, its settings (small sizes), the slot kinds whose corrections the audit must make
@@ -61,3 +62,59 @@ def test_the_compiled_auditor_applies_a_worst_case_trainers_corrections(tmp_path
     assert {k for k, n in fixed.items() if n} >= kinds, dict(fixed)
     print(task, dict(fixed), {k[0].name(): (v.replays, v.row_replays, v.fallbacks)
                               for k, v in capture._CACHE.items() if isinstance(v, capture.Region)})
+
+
+WIDE = {"elementwise": 2.0**25, "accumulate": 2.0**25}  # many entries, so many of them corrections
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(4)
+    x = torch.rand(256, 300, generator=g) + 0.5
+    spread = torch.randn(250, 300, generator=g) * torch.logspace(-12, 12, 300)  # a sum no float64 sum holds exactly
+    h, w = torch.randn(24, 56, generator=g), torch.randn(3001, 56, generator=g)  # logits' shape: h @ w^T
+    small = [torch.rand(5, 7, generator=g) + 0.5 for _ in range(4)]
+    logits = torch.randn(250, 300, generator=g)
+    return x, spread, h, w, small, logits
+
+
+def _ops(x, spread, h, w, small, logits):
+    """One op for each of the auditor's compiled slots (at the default VERITRAIN_COMPILE, every tensor but the
+    optimizer-like update's is large enough); returns the float32 results."""
+    out = [x.exp(), spread.sum(1), torch.mm(h, w.t()), torch.log_softmax(logits, -1)]
+    return out + list(torch._foreach_add(small, [t.flip(0) for t in small], alpha=0.37))
+
+
+def test_each_compiled_slot_applies_a_worst_case_trainers_corrections(tmp_path, monkeypatch):
+    """The same, op by op, at thresholds wide enough that every kind of compiled slot gets corrections (fused
+    elementwise kernels, compiled sums, a product by blocks of its result, small tensors of a foreach update laid
+    end to end, a captured log-softmax): the auditor's results are the trainer's, bit for bit, with nothing
+    suspicious. (The NLL loss's picked gradient is one value per call, -1/N: it has no room for corrections.)"""
+    from veritrain.engine import EngineConfig, step_context
+    from veritrain.logformat import StepLogReader, StepLogWriter
+
+    config = EngineConfig(thresholds=WIDE)
+    inputs = _inputs()
+    monkeypatch.setenv("VERITRAIN_EMULATE", "perturb")
+    w = StepLogWriter(str(tmp_path / "0.vtlog"), 0, 32)
+    with step_context(config, 0, writer=w):
+        trained = _ops(*inputs)
+    w.close()
+    monkeypatch.delenv("VERITRAIN_EMULATE")
+    monkeypatch.setenv("VERITRAIN_BLOCK_MIN_NUMEL", "0")
+    monkeypatch.setattr(blocked, "BLOCK_NUMEL", 1000)
+    monkeypatch.setattr(blocked, "RESULT_BLOCK_NUMEL", 1000)
+    fixed = collections.Counter()
+    real = engine.VerifiedMode._replay
+
+    def replay(self, func, slot, entries, phase, c, index):
+        before = sum(self.stats.corrections.values())
+        real(self, func, slot, entries, phase, c, index)
+        fixed[type(slot).__name__] += sum(self.stats.corrections.values()) - before
+
+    monkeypatch.setattr(engine.VerifiedMode, "_replay", replay)
+    with StepLogReader(str(tmp_path / "0.vtlog"), expect_step=0, expect_bits=32) as r:
+        with step_context(config, 0, reader=r) as mode:
+            audited = _ops(*inputs)
+    assert mode.stats.suspicious_count == 0, mode.stats.suspicious[:3]
+    assert all(torch.equal(t, u) for t, u in zip(trained, audited))
+    assert {k for k, n in fixed.items() if n} >= {"_FusedSlot", "_SumSlot", "_ProductSlot", "_PartSlot"}, dict(fixed)

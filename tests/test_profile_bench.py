@@ -466,3 +466,56 @@ def test_the_epilogue_bench_splits_a_product_by_rows_without_changing_its_bits(c
     bench_epilogues.main(["--shapes", "64x32x48", "--rows", "16", "--reps", "2", "--no-write"])
     out = capsys.readouterr().out
     assert "| (64 x 32) @ (32 x 48) |" in out and "by 16 rows" in out
+
+
+@pytest.mark.parametrize("what", ["classify", "scan", "checks"])
+def test_the_per_output_bound_takes_out_only_what_it_names_and_puts_it_back(tmp_path, what):
+    """bench/per_output_bound.py patches the engine for its runs without: each patch must take out its work
+    (the eager results' entries, or the auditor's check of a forged entry) and nothing else, and put the
+    engine back, or every later run in the process would time a broken engine."""
+    import torch
+
+    import per_output_bound
+    from veritrain import engine
+    from veritrain.engine import EngineConfig, step_context
+    from veritrain.logformat import StepLogReader, StepLogWriter, read_records, write_records
+
+    before = (engine.VerifiedMode._record, engine.VerifiedMode._replay, engine._EagerSlot.candidate_indices)
+    config = EngineConfig(thresholds={"accumulate": 2.0**25, "elementwise": 2.0**25})
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(30, 40, generator=g), torch.randn(40, 20, generator=g)
+
+    def trained(log, without=None):
+        restore = per_output_bound._without(without)
+        try:
+            w = StepLogWriter(str(log), 0, 32)
+            with step_context(config, 0, writer=w):
+                y = torch.mm(a, b).exp()  # an eager product, then a (small: eager) elementwise op
+            w.close()
+        finally:
+            restore()
+        return y, [o.n_entries for r in read_records(str(log))[2] for o in r.outputs]
+
+    y, entries = trained(tmp_path / "honest.vtlog")
+    assert all(entries), entries
+    if what != "checks":
+        _, without = trained(tmp_path / "without.vtlog", what)
+        assert without == [0, 0], without
+    else:
+        _, bits, records = read_records(str(tmp_path / "honest.vtlog"))
+        out = records[0].outputs[0]
+        out.dir_bits = ~out.dir_bits  # every entry of the product forged: directions the wrong way, values doubled
+        out.val_bits = (out.val_bits.view("float32") * 2).view("uint32")
+        write_records(str(tmp_path / "forged.vtlog"), 0, bits, records)
+        counts = []
+        for without in (None, "checks"):
+            restore = per_output_bound._without(without)
+            try:
+                with StepLogReader(str(tmp_path / "forged.vtlog"), expect_step=0, expect_bits=32) as r, \
+                        step_context(config, 0, reader=r) as mode:
+                    torch.mm(a, b).exp()
+            finally:
+                restore()
+            counts.append(mode.stats.suspicious_count)
+        assert counts[0] > 0 and counts[1] == 0, counts
+    assert (engine.VerifiedMode._record, engine.VerifiedMode._replay, engine._EagerSlot.candidate_indices) == before

@@ -3,7 +3,7 @@
 Between this project's CPU variants the log almost never corrects a rounding, and the auditors that really
 disagree with the trainer (tests/test_disagreeing_hardware.py) run under the emulated accelerator, where every
 compiled path is off: so the paths an auditor on a CPU takes with its kernels on (fused elementwise ops and
-sums, the round-and-scan epilogues, blocked matrix products, captured regions and their rows' runs) had never
+sums, blocked matrix products, small foreach tensors laid end to end, captured regions and their rows' runs) had never
 been given an honest entry that contradicts their own rounding. That is what a CPU auditor meets when it
 audits a GPU trainer.
 
@@ -25,11 +25,26 @@ from veritrain.runner import TrainOptions, audit, train
 TASKS = {  # task, its settings (small sizes), the slot kinds whose corrections the audit must make
     "digits-cnn": ({}, {"_EagerSlot"}),
     "resnet-cifar10": ({"data": "digits", "width": 8, "batch_size": 16}, {"_FusedSlot", "_EagerSlot"}),
-    # the GPT-2 vocabulary (50257): blocked products, the vocabulary-wide sums, the log-softmax's rows
+    # the GPT-2 vocabulary (50257): its products by blocks (no log-softmax entry at this size: the rows' corrections
+    # are tests/test_capture.py's)
     "gpt2-shakespeare": ({"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32, "batch_size": 8,
                           "max_chars": 20000}, {"_FusedSlot", "_ProductSlot"}),
 }
 STEPS = 3
+
+
+def corrections_by_slot(monkeypatch) -> collections.Counter:
+    """A counter, filled as the auditor replays, of the corrections each kind of slot made (by its class name)."""
+    fixed = collections.Counter()
+    real = engine.VerifiedMode._replay
+
+    def replay(self, func, slot, entries, phase, c, index):
+        before = sum(self.stats.corrections.values())
+        real(self, func, slot, entries, phase, c, index)
+        fixed[type(slot).__name__] += sum(self.stats.corrections.values()) - before
+
+    monkeypatch.setattr(engine.VerifiedMode, "_replay", replay)
+    return fixed
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -46,15 +61,7 @@ def test_the_compiled_auditor_applies_a_worst_case_trainers_corrections(tmp_path
     monkeypatch.setenv("VERITRAIN_COMPILE", "1")
     capture._CACHE.clear()
     capture._CALLS.clear()
-    fixed = collections.Counter()
-    real = engine.VerifiedMode._replay
-
-    def replay(self, func, slot, entries, phase, c, index):
-        before = sum(self.stats.corrections.values())
-        real(self, func, slot, entries, phase, c, index)
-        fixed[type(slot).__name__] += sum(self.stats.corrections.values()) - before
-
-    monkeypatch.setattr(engine.VerifiedMode, "_replay", replay)
+    fixed = corrections_by_slot(monkeypatch)
     r = audit(str(run), progress=False)
     assert r.accepted, r.reasons
     assert r.suspicious == 0 and all(c["match"] for c in r.checkpoints), r.suspicious_details[:3]
@@ -103,15 +110,7 @@ def test_each_compiled_slot_applies_a_worst_case_trainers_corrections(tmp_path, 
     monkeypatch.setenv("VERITRAIN_BLOCK_MIN_NUMEL", "0")
     monkeypatch.setattr(blocked, "BLOCK_NUMEL", 1000)
     monkeypatch.setattr(blocked, "RESULT_BLOCK_NUMEL", 1000)
-    fixed = collections.Counter()
-    real = engine.VerifiedMode._replay
-
-    def replay(self, func, slot, entries, phase, c, index):
-        before = sum(self.stats.corrections.values())
-        real(self, func, slot, entries, phase, c, index)
-        fixed[type(slot).__name__] += sum(self.stats.corrections.values()) - before
-
-    monkeypatch.setattr(engine.VerifiedMode, "_replay", replay)
+    fixed = corrections_by_slot(monkeypatch)
     with StepLogReader(str(tmp_path / "0.vtlog"), expect_step=0, expect_bits=32) as r:
         with step_context(config, 0, reader=r) as mode:
             audited = _ops(*inputs)

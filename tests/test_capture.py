@@ -111,9 +111,8 @@ def test_the_trainer_writes_the_eager_log_and_weights(tmp_path, monkeypatch, com
 def test_a_small_region_replays_as_python_and_is_compiled_once_its_signature_is_hot(tmp_path, monkeypatch):
     """Below the size threshold (every region here is) a signature is recorded at its first call and replayed
     from the next by its function run as Python, with nothing to compile; once it has been called
-    VERITRAIN_CAPTURE_HOT_CALLS times it replays compiled in the trainer (an auditor's, without scales or
-    tests, runs as fast as Python). The eager engine's weights, log and statistics throughout. Each
-    decomposition is called once a step here."""
+    VERITRAIN_CAPTURE_HOT_CALLS times it replays compiled, in the trainer and in the auditor. The eager engine's
+    weights, log and statistics throughout. Each decomposition is called once a step here."""
     eager, eager_stats = train(tmp_path, "eager", "0", monkeypatch)
     default, default_stats = train(tmp_path, "default", "auto", monkeypatch)
     assert regions() and all(r == STEPS - 1 and f == 0 for r, f in regions().values()), regions()
@@ -127,10 +126,11 @@ def test_a_small_region_replays_as_python_and_is_compiled_once_its_signature_is_
     assert hot == eager
     assert log_bytes(tmp_path, "hot") == log_bytes(tmp_path, "eager")
     assert [s.as_dict() for s in hot_stats] == [s.as_dict() for s in eager_stats]
-    # an auditor's small regions hold no scale or test: as fast as Python, so never compiled
+    eager_audit, eager_audit_stats = train(tmp_path, "x", "0", monkeypatch, replay_of="hot")
     audited, audit_stats = train(tmp_path, "x", "auto", monkeypatch, replay_of="hot")
-    assert regions() and all(r == STEPS - 1 for r, _ in regions().values()) and not any(compiled().values())
-    assert audited == eager and not any(s.suspicious_count for s in audit_stats)
+    assert regions() and all(r == STEPS - 1 for r, _ in regions().values()) and all(compiled().values())
+    assert audited == eager_audit == eager and not any(s.suspicious_count for s in audit_stats)
+    assert [s.as_dict() for s in audit_stats] == [s.as_dict() for s in eager_audit_stats]
     monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "0")  # never compiled
     assert train(tmp_path, "never", "auto", monkeypatch)[0] == eager
     assert regions() and not any(compiled().values())

@@ -186,7 +186,7 @@ def applies(mode) -> bool:
 def enabled_for(numel: int, device) -> bool:
     """Whether a region replays compiled: ``VERITRAIN_COMPILE`` as for the fused kernels (1 always, 0 never);
     by default, regions whose largest tensor has at least ``VERITRAIN_CAPTURE_MIN_NUMEL`` elements (65536, as
-    the fused kernels), and a trainer's smaller ones once their signature is hot (``_hot``). CPU only
+    the fused kernels), and smaller ones once their signature is hot (``_hot``). CPU only
     (hardware.compiled_path)."""
     return compiled_path(numel, device, "VERITRAIN_CAPTURE_MIN_NUMEL", 1 << 16)
 
@@ -197,12 +197,14 @@ _CALLS: dict = {}  # signature of a region below the size threshold -> its calls
 
 def _hot(key) -> bool:
     """Whether a small region's signature has been called ``VERITRAIN_CAPTURE_HOT_CALLS`` times (5000; 0
-    never), after which the trainer compiles it. Compiling the default ResNet's small regions cost its
+    never), after which the trainer or auditor compiles it. Compiling the default ResNet's small regions cost its
     trainer 12.7 s with a cold compile cache and 1.2 s with a warm one (bench/RESULTS.md, session 21). Run as
     Python, with a sum's certificate computed only where it can change the test (``_certified_flag_lazily``),
     they take about 5 ms of its step and compiled 2-3 ms (`python bench/bench_regions.py`, session 25; about
     12 ms as Python before that change): a cold compile pays for itself about 5000 steps later, a warm one
-    about 500. Short runs (and the test suite) never pay for a compile; long runs get the gain."""
+    about 500. An auditor's small regions, without scales or tests, took 3.7 ms of its step as Python and about
+    1.2 ms compiled, run alone (`python bench/bench_regions.py --workloads resnet`, session 39). Short runs (and
+    the test suite) never pay for a compile; long runs get the gain."""
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     hot = int(hardware.setting("VERITRAIN_CAPTURE_HOT_CALLS", HOT_CALLS))
     return 0 < hot <= n
@@ -222,10 +224,11 @@ def run(mode, func, args, kwargs):
     key = _signature(mode, func, leaves, spec, tensors)
     if key is None or not replays_on(device):
         return fallback(mode, func, args, kwargs)
-    # large, or a trainer's and hot: the compiled function; otherwise its source run as Python (nothing to
-    # compile). An auditor's small regions run as fast as Python as compiled (they hold no scale or test)
+    # large, or hot: the compiled function; otherwise its source run as Python (nothing to compile). An
+    # auditor's small regions hold no scale or test, but compiled they still take about a third of their time
+    # as Python (the default ResNet's BatchNorm regions, python bench/bench_regions.py, session 39)
     compiled = enabled_for(max((t.numel() for t in tensors), default=0), device) \
-        or (mode.writer is not None and _hot(key) and enabled_for(1 << 62, device))
+        or (_hot(key) and enabled_for(1 << 62, device))
     region = _CACHE.get(key, _EAGER)
     if key not in _CACHE or isinstance(region, int):
         return _record(mode, func, args, kwargs, key, tensors)

@@ -400,11 +400,13 @@ def test_entries_on_an_exact_max_pool_gradient_are_rejected(tmp_path, monkeypatc
     assert "max_pool2d_with_indices_backward" in first["op"] and first["kind"] == "exact", r["suspicious_details"][:2]
 
 
-def test_a_moved_batchnorm_mean_inside_a_captured_region_is_rejected(tmp_path, monkeypatch):
+@pytest.mark.parametrize("regions", ["python", "compiled"])
+def test_a_moved_batchnorm_mean_inside_a_captured_region_is_rejected(tmp_path, monkeypatch, regions):
     """Inside a BatchNorm call, which an auditor replays as one captured region (digits-cnn's are small, so as
-    Python; capture.py): a trainer that moves some channel means to the next grid value, trains on them and logs
-    them as value entries. The auditor on another variant must not replay the region past those entries: its
-    records differ from the honest template, so it runs the call op by op and names the entries."""
+    Python, or compiled once their signature is hot: VERITRAIN_CAPTURE_HOT_CALLS=1 here; capture.py): a trainer
+    that moves some channel means to the next grid value, trains on them and logs them as value entries. The
+    auditor on another variant must not replay the region past those entries: its records differ from the
+    honest template, so it runs the call op by op and names the entries."""
     moved = []
 
     def chosen(func, slots):
@@ -417,6 +419,8 @@ def test_a_moved_batchnorm_mean_inside_a_captured_region_is_rejected(tmp_path, m
     run = tmp_path / "run"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
     monkeypatch.undo()  # the auditor at default settings: small regions replay as Python, large ones compiled
+    if regions == "compiled":
+        monkeypatch.setenv("VERITRAIN_CAPTURE_HOT_CALLS", "1")  # the auditor's child process inherits it
     assert sum(moved) > 0
     r = audit_json(run, "combo")
     assert not r["accepted"] and r["suspicious"] >= 1, r["reasons"]

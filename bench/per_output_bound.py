@@ -8,7 +8,7 @@ unfused ops), and the auditor's checks of the log's entries, each taken out in i
 Runs, rotated per step in one process, each on its own copy of the task: plain float64 (the denominator), the
 trainer, the trainer without the classification of its eager results' candidates (the scan still runs: its
 log then has no entries there), the trainer without their scan either, the auditor of the trainer's log, and
-that auditor without any entry check (``VerifiedMode._replay`` skipped: entries are neither checked nor
+that auditor without any entry check (``AuditorHalf.replay`` skipped: entries are neither checked nor
 applied). The runs without are not verified steps and their weights drift apart from the trainer's; they time
 what the step would cost if that work were free. The fused kernels (elementwise ops, sums, epilogues of large
 eager results, captured regions) keep their scan in every run: it is inside their compiled code. Writes the
@@ -47,18 +47,18 @@ _EMPTY = torch.zeros(0, dtype=torch.int64)
 
 def _without(what):
     """Patches taking ``what`` out of the engine; returns a function that puts it back."""
-    record, replay, find = engine.VerifiedMode._record, engine.VerifiedMode._replay, engine._EagerSlot.candidate_indices
+    record, replay, find = engine.TrainerHalf.record, engine.AuditorHalf.replay, engine._EagerSlot.candidate_indices
     if what == "classify":  # the scan runs, its candidates are dropped
-        engine.VerifiedMode._record = lambda self, slot, c: (
+        engine.TrainerHalf.record = lambda self, slot, c: (
             slot.candidate_indices(c) if isinstance(slot, engine._EagerSlot) else None,
             OutputEntries(slot.shape) if isinstance(slot, engine._EagerSlot) else record(self, slot, c))[1]
     elif what == "scan":
         engine._EagerSlot.candidate_indices = lambda self, c: _EMPTY
     elif what == "checks":
-        engine.VerifiedMode._replay = lambda *args: None
+        engine.AuditorHalf.replay = lambda *args: None
 
     def restore():
-        engine.VerifiedMode._record, engine.VerifiedMode._replay = record, replay
+        engine.TrainerHalf.record, engine.AuditorHalf.replay = record, replay
         engine._EagerSlot.candidate_indices = find
 
     return restore

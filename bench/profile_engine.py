@@ -153,7 +153,7 @@ def _targets():
         (rounding.Grid, "apply_direction", "classify"),
         (rounding.Grid, "midpoint_distance", "classify"),
         (rounding.Grid, "spacing_at", "classify"),
-        (engine.VerifiedMode, "_replay", "classify"),
+        (engine.AuditorHalf, "replay", "classify"),
         (logformat.StepLogWriter, "op", "log"),
         (logformat.StepLogWriter, "quiet_ops", "log"),  # a captured region's records
         (logformat.StepLogWriter, "close", "log"),

@@ -1,7 +1,7 @@
 """Residual freedom of a dishonest trainer (issue 8, item 4): how far can a trainer steer training with log
 entries that the auditor accepts?
 
-The auditor (engine.VerifiedMode._replay) accepts
+The auditor (engine.AuditorHalf.replay) accepts
 
 * a direction entry where its own float64 result y' lies within slack * tau' of a rounding midpoint, and
   one that *overrides* its own rounding only within tau' of it (what an honest trainer within tau can do);
@@ -11,7 +11,7 @@ The auditor (engine.VerifiedMode._replay) accepts
 
 never at NaN or infinite results (tau' = c * 2**-53 * scale, c the op class's threshold, slack = 2).
 This script trains each workload honestly and with an adversarial trainer (a monkeypatched
-VerifiedMode._record, as in tests/adversarial/test_entries.py) from the same seed, and takes, at every
+TrainerHalf.record, as in tests/adversarial/test_entries.py) from the same seed, and takes, at every
 approx output, every choice the rules leave open in the adversary's chosen direction, trains on the values
 it logs, and compares the two runs. Then it audits the adversarial run under another emulated CPU
 (`veritrain audit RUN --json --variant combo`, a subprocess): it must be ACCEPTED, since this is the
@@ -117,7 +117,7 @@ def next_down(v: torch.Tensor) -> torch.Tensor:
 
 
 class Adversary:
-    """Replaces VerifiedMode._record; keeps per-step counts of its choices."""
+    """Replaces TrainerHalf.record; keeps per-step counts of its choices."""
 
     def __init__(self, strategy: str, slack: float, hw_diff: float, margin: float, seed: int = 0):
         self.strategy, self.slack, self.d, self.m = strategy, slack, hw_diff, 1.0 - margin
@@ -217,7 +217,7 @@ class Adversary:
     def record(self, mode, slot, c):
         grid = self.grid
         if mode.domain != "op" or mode.grid.bits != 32:
-            return ORIG_RECORD(mode, slot, c)
+            return ORIG_RECORD(mode.trainer, slot, c)
         e = OutputEntries(slot.shape)
         n = math.prod(slot.shape)
         # every position the auditor could accept lies among the candidates of a 4x larger threshold
@@ -307,7 +307,7 @@ class Adversary:
         return e
 
     def _accepted(self, v, y, tau, slack=None):
-        """v passes the auditor's check of a value that overrides its rounding (engine._replay: v in
+        """v passes the auditor's check of a value that overrides its rounding (AuditorHalf.replay: v in
         [round(y' - tau'), round(y' + tau')]) for every auditor result y' in [y - d tau, y + d tau] and tau'
         down to m tau. (``slack`` is kept for the bookkeeping columns; the window no longer depends on it.)"""
         grid = self.grid
@@ -324,14 +324,14 @@ class Adversary:
         return torch.where(self._accepted(v, y, tau), v, torch.full_like(v, math.nan))
 
 
-ORIG_RECORD = E.VerifiedMode._record
+ORIG_RECORD = E.TrainerHalf.record
 
 
 @contextlib.contextmanager
 def patched(adv: Adversary | None, snap):
     """Install the adversary (or, with None, only counting of the honest run) and the per-step hook."""
     orig_compute, orig_random, orig_run_step = E.VerifiedMode._compute, E.VerifiedMode._random, Task.run_step
-    saved = E.VerifiedMode._record
+    saved = E.TrainerHalf.record
 
     def compute(self, func, rule, args, kwargs):
         if adv is None:
@@ -351,12 +351,12 @@ def patched(adv: Adversary | None, snap):
         finally:
             adv.ctx.pop()
 
-    def record(self, slot, c):
+    def record(self, slot, c):  # self: the trainer's half of the engine
         if adv is not None:
-            return adv.record(self, slot, c)
+            return adv.record(self.mode, slot, c)
         e = ORIG_RECORD(self, slot, c)
-        if self.domain == "op":
-            st = snap.honest_counts[self.step]
+        if self.mode.domain == "op":
+            st = snap.honest_counts[self.mode.step]
             st["honest_dir"] += len(e.dir_pos)
             st["honest_val"] += len(e.val_pos)
         return e
@@ -370,12 +370,12 @@ def patched(adv: Adversary | None, snap):
             snap.after_step(task, loss)
         return loss
 
-    E.VerifiedMode._compute, E.VerifiedMode._random, E.VerifiedMode._record = compute, random_op, record
+    E.VerifiedMode._compute, E.VerifiedMode._random, E.TrainerHalf.record = compute, random_op, record
     Task.run_step = run_step
     try:
         yield
     finally:
-        E.VerifiedMode._compute, E.VerifiedMode._random, E.VerifiedMode._record = orig_compute, orig_random, saved
+        E.VerifiedMode._compute, E.VerifiedMode._random, E.TrainerHalf.record = orig_compute, orig_random, saved
         Task.run_step = orig_run_step
 
 

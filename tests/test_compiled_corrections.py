@@ -36,14 +36,14 @@ STEPS = 3
 def corrections_by_slot(monkeypatch) -> collections.Counter:
     """A counter, filled as the auditor replays, of the corrections each kind of slot made (by its class name)."""
     fixed = collections.Counter()
-    real = engine.VerifiedMode._replay
+    real = engine.AuditorHalf.replay
 
     def replay(self, func, slot, entries, phase, c, index):
-        before = sum(self.stats.corrections.values())
+        before = sum(self.mode.stats.corrections.values())
         real(self, func, slot, entries, phase, c, index)
-        fixed[type(slot).__name__] += sum(self.stats.corrections.values()) - before
+        fixed[type(slot).__name__] += sum(self.mode.stats.corrections.values()) - before
 
-    monkeypatch.setattr(engine.VerifiedMode, "_replay", replay)
+    monkeypatch.setattr(engine.AuditorHalf, "replay", replay)
     return fixed
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from veritrain.engine import (EngineConfig, OpTrace, ReplayMismatchError, UnsupportedOpError, VerifiedMode,
-                              logged_step, step_context)
+from veritrain.engine import (AuditorHalf, EngineConfig, OpTrace, ReplayMismatchError, TrainerHalf,
+                              UnsupportedOpError, logged_step, step_context)
 from veritrain.logformat import StepLogReader, StepLogWriter
 from veritrain.rounding import Grid
 
@@ -188,7 +188,7 @@ def test_foreach_ops_round_each_tensor(tmp_path):
 
 
 def test_a_foreach_ops_outputs_scanned_together_log_what_one_scan_each_logs(tmp_path, monkeypatch):
-    """The trainer scans a foreach op's small results laid end to end (VerifiedMode._scan_jointly); each
+    """The trainer scans a foreach op's small results laid end to end (TrainerHalf.scan_jointly); each
     output's entries, and the log's bytes, must be those of one scan per output. Wide thresholds give many
     entries, scattered over the outputs; sizes straddle the scan's chunks."""
     gen = torch.Generator().manual_seed(3)
@@ -205,16 +205,16 @@ def test_a_foreach_ops_outputs_scanned_together_log_what_one_scan_each_logs(tmp_
         return xs, mode.stats, open(path, "rb").read()
 
     scanned = []
-    orig = VerifiedMode._scan_jointly
+    orig = TrainerHalf.scan_jointly
 
     def spy(self, slots):
         orig(self, slots)
         scanned.extend(getattr(s, "found", None) is not None for s in slots)
 
-    monkeypatch.setattr(VerifiedMode, "_scan_jointly", spy)
+    monkeypatch.setattr(TrainerHalf, "scan_jointly", spy)
     joint = step(tmp_path / "joint.vtlog")
     assert sum(scanned) >= 6, scanned  # every output below the fused kernels' size, in more than one chunk
-    monkeypatch.setattr(VerifiedMode, "_scan_jointly", lambda self, slots: None)
+    monkeypatch.setattr(TrainerHalf, "scan_jointly", lambda self, slots: None)
     alone = step(tmp_path / "alone.vtlog")
     assert joint[2] == alone[2]
     assert all(torch.equal(a, b) for a, b in zip(joint[0], alone[0]))
@@ -432,7 +432,7 @@ def test_the_log_corrects_an_auditor_that_rounds_the_other_way(tmp_path, monkeyp
     t_modes = list(train(trainer, t_opt, logs, replay=False))
     assert sum(m.stats.entries_total for m in t_modes) > 0
 
-    original = VerifiedMode._replay
+    original = AuditorHalf.replay
 
     def other_side(self, func, slot, log_entries, phase, c, index, apply=True):
         if len(log_entries.dir_pos) and isinstance(slot, _EagerSlot):
@@ -446,14 +446,14 @@ def test_the_log_corrects_an_auditor_that_rounds_the_other_way(tmp_path, monkeyp
         if apply:
             original(self, func, slot, log_entries, phase, c, index)
 
-    monkeypatch.setattr(VerifiedMode, "_replay", other_side)
+    monkeypatch.setattr(AuditorHalf, "replay", other_side)
     auditor, a_opt = make()
     a_modes = list(train(auditor, a_opt, list(logs), replay=True))
     assert sum(m.stats.corrections_total for m in a_modes) > 0 and sum(m.stats.suspicious_count for m in a_modes) == 0
     assert outputs(a_modes) == outputs(t_modes)  # every op's output, bit for bit
     assert all(torch.equal(a, b) for a, b in zip(trainer.state_dict().values(), auditor.state_dict().values()))
 
-    monkeypatch.setattr(VerifiedMode, "_replay", lambda *a: other_side(*a, apply=False))
+    monkeypatch.setattr(AuditorHalf, "replay", lambda *a: other_side(*a, apply=False))
     unlogged, u_opt = make()
     u_modes = list(train(unlogged, u_opt, list(logs), replay=True))
     assert outputs(u_modes) != outputs(t_modes)

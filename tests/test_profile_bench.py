@@ -480,7 +480,7 @@ def test_the_per_output_bound_takes_out_only_what_it_names_and_puts_it_back(tmp_
     from veritrain.engine import EngineConfig, step_context
     from veritrain.logformat import StepLogReader, StepLogWriter, read_records, write_records
 
-    before = (engine.VerifiedMode._record, engine.VerifiedMode._replay, engine._EagerSlot.candidate_indices)
+    before = (engine.TrainerHalf.record, engine.AuditorHalf.replay, engine._EagerSlot.candidate_indices)
     config = EngineConfig(thresholds={"accumulate": 2.0**25, "elementwise": 2.0**25})
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(30, 40, generator=g), torch.randn(40, 20, generator=g)
@@ -518,4 +518,4 @@ def test_the_per_output_bound_takes_out_only_what_it_names_and_puts_it_back(tmp_
                 restore()
             counts.append(mode.stats.suspicious_count)
         assert counts[0] > 0 and counts[1] == 0, counts
-    assert (engine.VerifiedMode._record, engine.VerifiedMode._replay, engine._EagerSlot.candidate_indices) == before
+    assert (engine.TrainerHalf.record, engine.AuditorHalf.replay, engine._EagerSlot.candidate_indices) == before

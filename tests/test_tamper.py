@@ -69,15 +69,15 @@ def steer_one_rounding(run, cap):
 def steered_run(tmp_path, monkeypatch):
     """A dishonest trainer: at step STEP it rounds one value the wrong way, far from any midpoint, and
     logs that decision; everything else (later ops, later steps, commitments) is honest."""
-    from veritrain.engine import VerifiedMode, _EagerSlot
+    from veritrain.engine import TrainerHalf, _EagerSlot
 
     grid = Grid(32)
-    orig = VerifiedMode._record
+    orig = TrainerHalf.record
     steered = {}
 
     def record(self, slot, c):
         e = orig(self, slot, c)
-        if self.step == STEP and not steered and isinstance(slot, _EagerSlot) and slot.y64.numel() >= 64:
+        if self.mode.step == STEP and not steered and isinstance(slot, _EagerSlot) and slot.y64.numel() >= 64:
             flat = slot.y64.reshape(-1)
             y32 = slot.y32.view(-1)
             taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
@@ -93,7 +93,7 @@ def steered_run(tmp_path, monkeypatch):
                 steered.update(op=str(slot.analysis.call.func), position=p)
         return e
 
-    monkeypatch.setattr(VerifiedMode, "_record", record)
+    monkeypatch.setattr(TrainerHalf, "record", record)
     run = tmp_path / "steered"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=6, checkpoint_every=2, progress=False))
     assert steered, "found nothing to steer"

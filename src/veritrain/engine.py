@@ -12,6 +12,10 @@ handled by its row in rules.py:
   decisions and checks that each entry is plausible;
 * random ops draw from the counter-based generator keyed by (seed, step, op index).
 
+``VerifiedMode`` computes and rounds, the same in both roles; what differs is in two small classes:
+``TrainerHalf`` (which results need a log entry, and the log it writes) and ``AuditorHalf`` (the log it
+reads, each entry checked against the error model, then forced or named as suspicious).
+
 In-place and ``out=`` variants run as their functional op on float64 copies and are copied back;
 ops that mutate arguments (BatchNorm running statistics) are given float64 copies that are rounded and
 written back. Python float scalars are rounded to float32 as float32 kernels do (near-midpoint scalars
@@ -345,7 +349,7 @@ class _EagerSlot:
         self._epilogues = epilogues
         self._y32 = None
         self._scale = None
-        self.found = None  # candidate positions, where VerifiedMode._scan_jointly found them
+        self.found = None  # candidate positions, where TrainerHalf.scan_jointly found them
 
     @property
     def y32(self):
@@ -516,7 +520,7 @@ class _ProductSlot:
     """A matrix product rounded and scanned block by block (blocked.mm_in_blocks), so that its float64 values
     never exist whole: its float32 values and candidates' positions; the float64 value at a position that needs
     it recomputed as the dot product of a's row and b's column (another correct evaluation, as for the fused
-    kernels: _record rounds the recomputed values where it classifies them), the scale as rules._mm's."""
+    kernels: TrainerHalf.record rounds the recomputed values where it classifies them), the scale as rules._mm's."""
 
     def __init__(self, y32, found, a, b, scale, op_class):
         self.y32, self.found, self.a, self.b, self._scale = y32, found, a, b, scale
@@ -572,7 +576,222 @@ _FOREACH_AS_SINGLE = {
     aten._foreach_div.Scalar: (aten.div.Scalar, _each(self="self", other="scalar")),
     aten._foreach_div.ScalarList: (aten.div.Scalar, _each(self="self", other="scalars")),
 }
-_JOINT_MAX_NUMEL = 1 << 16  # outputs scanned together (_scan_jointly): smaller ones, this many values a scan
+_JOINT_MAX_NUMEL = 1 << 16  # outputs scanned together (TrainerHalf.scan_jointly): smaller ones, this many values a scan
+
+
+class TrainerHalf:
+    """The trainer's half of the engine: which of an op's rounded results lie near a rounding midpoint, and the
+    log entries that record its decisions there (docs/ROUNDING.md). The mode computes and rounds; this reads its
+    float64 results and writes the step's log (``mode.writer``)."""
+
+    def __init__(self, mode: VerifiedMode):
+        self.mode = mode
+
+    def write(self, func, scalars, entries, n_rounded):
+        self.mode.writer.op(_info(func).label, scalars, entries, n_rounded)
+
+    def scan_jointly(self, slots):
+        """The candidate positions of a many-output op's small float64 results (a foreach op's, one
+        per parameter) from one scan of them laid end to end, kept in each slot for ``record``. The bulk test
+        is elementwise, so each position gets the answer its own output's scan gives; but a scan per output
+        costs more to call than to run. Outputs that a fused epilogue scans, or whose scale covers some rows
+        only, keep their own scan."""
+        if len(slots) < 2:
+            return
+        group = [s for s in slots if type(s) is _EagerSlot and s.y64.device.type == "cpu"
+                 and s.y64.numel() < _JOINT_MAX_NUMEL and not FusedKernels.enabled_for(s.y64.numel(), "cpu")
+                 and not isinstance(s._scale_obj(), rules.RowSubset)]
+        if len(group) < 2:
+            return
+        c = self.mode.config.thresholds[group[0].op_class]  # one rule, so one class, for all of an op's outputs
+        start = 0
+        while start < len(group):
+            end, total = start, 0
+            while end < len(group) and total < _JOINT_MAX_NUMEL:  # copies of a few hundred KB at most
+                total += group[end].y64.numel()
+                end += 1
+            chunk, start = group[start:end], end
+            bounds = np.cumsum([0] + [s.y64.numel() for s in chunk])
+            y = torch.cat([s.y64.reshape(-1) for s in chunk])
+            scale = torch.cat([s.scale().reshape(-1) for s in chunk])
+            pos = self.mode.grid.candidate_positions(y, scale, c).numpy()
+            cuts = np.searchsorted(pos, bounds)
+            for k, s in enumerate(chunk):
+                s.found = torch.from_numpy(pos[cuts[k]:cuts[k + 1]] - bounds[k])
+
+    def record(self, slot, c) -> OutputEntries:
+        """Find the entries of one output (and keep its float32 result consistent with them). The
+        candidates' classification runs in NumPy (rounding.Grid: few values, where torch's dispatch dominates)."""
+        grid = self.mode.grid
+        e = OutputEntries(slot.shape)
+        idx = slot.candidate_indices(c)
+        if not idx.numel():
+            return e
+        yc = slot.values_at(idx)
+        tau = c * UNIT_ROUNDOFF * _host(slot.scale_at(idx))
+        is_val, is_dir, away = grid.classify(_host(yc), tau)
+        flat = slot.y32.view(-1)
+        if not isinstance(slot, _EagerSlot):
+            flat[idx] = grid.round(yc)  # the rounded result comes from the same values as the entries
+        idx = _host(idx).astype(np.int64, copy=False)
+        e.dir_pos = idx[is_dir]
+        e.dir_bits = away[is_dir]
+        e.val_pos = idx[is_val]
+        e.val_bits = _host(flat[torch.from_numpy(e.val_pos).to(flat.device)]).view(np.uint32) if len(e.val_pos) \
+            else np.zeros(0, np.uint32)
+        return e
+
+
+class AuditorHalf:
+    """The auditor's half of the engine: the trainer's log read op by op (``mode.reader``), each decision in it
+    checked against the error model and forced where it is plausible; the implausible ones are counted and named
+    as suspicious (docs/SECURITY.md). Everything it reads comes from the trainer."""
+
+    def __init__(self, mode: VerifiedMode):
+        self.mode = mode
+
+    def open(self, func):
+        """(the log's record for the op the mode runs now, its scalar decisions by argument position)."""
+        mode = self.mode
+        rec = mode.reader.next_op()
+        if rec is None:
+            raise ReplayMismatchError(
+                f"step {mode.step}, op #{mode.op_index} {func}: the trainer's log ends before this op; "
+                f"the replay runs different code than the trainer did")
+        if rec.name != _info(func).label:
+            raise ReplayMismatchError(
+                f"step {mode.step}, op #{mode.op_index}: replay runs {func} but the log has {rec.name} here "
+                f"(a different task, code version or op stream)")
+        return rec, dict(rec.scalars)
+
+    def check_shapes(self, func, record: OpRecord, slots):
+        """The log's output shapes must be the op's: its entries' positions are read against them."""
+        shapes = [s.shape for s in slots if s is not None]
+        got = [tuple(o.shape) for o in record.outputs]
+        if shapes != got:
+            raise ReplayMismatchError(
+                f"step {self.mode.step}, op #{self.mode.op_index} {func}: output shapes {shapes} differ from the "
+                f"log's {got} (a different task, configuration or batch)")
+
+    def force_scalar(self, x, away, pos):
+        """The float32 value the log's decision gives the scalar ``x`` (argument ``pos``), checked as a tensor
+        entry is: only near a float32 midpoint, and against our own rounding only within the threshold."""
+        x32 = float(np.float32(x))
+        other = float(np.nextafter(np.float32(x32), np.float32(math.copysign(math.inf, x - x32)))) if x32 != x else x32
+        lo, hi = sorted((abs(x32), abs(other)))
+        mid = (lo + hi) / 2
+        dist = abs(abs(x) - mid)
+        if hi == lo or dist > self.mode.config.slack * SCALAR_THRESHOLD * abs(x):
+            self.suspicious(pos, 0, "scalar", f"scalar {x!r} is not near a float32 midpoint")
+        elif bool(away) != (abs(x32) > abs(x)):
+            # an entry that overrides our rounding must be one an honest trainer could have made: it logs
+            # within SCALAR_THRESHOLD, and its scalar is on the other side of the midpoint only if ours is
+            # closer to it than that (as for tensor entries, docs/SECURITY.md rows 1 and 19)
+            self.mode.stats.corrections[self.mode._phase()] += 1
+            if dist > SCALAR_THRESHOLD * HONEST_TAU * abs(x):
+                self.suspicious(pos, 0, "scalar", f"scalar {x!r} rounded {'away from' if away else 'toward'} zero, "
+                                f"against its own rounding, {dist / abs(x):.3g} (relative) from a float32 "
+                                f"midpoint: beyond the scalar threshold {SCALAR_THRESHOLD:.3g}")
+        return math.copysign(hi if away else lo, x)
+
+    def unused_forced(self, func, forced, used):
+        """Scalar entries for positions that are not finite float scalars: no honest trainer writes them."""
+        for pos in forced:
+            if pos not in used:
+                self.suspicious(pos, 0, "scalar", f"{func}: scalar entry for argument {pos}, which is not a "
+                                f"finite float scalar", op=str(func))
+
+    def replay(self, func, slot, entries: OutputEntries, phase, c, index):
+        """Force the trainer's decisions for one output and check each is plausible. The checks run
+        in NumPy on the entries' values (few per output, where torch's per-operation dispatch dominates); the
+        direction and value entries' values, scales and grid cells are fetched together, once per output (each
+        fetch costs more to call than to run: bench/profile_engine.py --per-op, the auditor's `classify`)."""
+        if not entries.n_entries:
+            return
+        grid = self.mode.grid
+        slack = self.mode.config.slack
+        flat = slot.y32.view(-1)
+        dev = flat.device
+        n_dir = len(entries.dir_pos)
+        positions = np.concatenate([entries.dir_pos, entries.val_pos]) if n_dir and len(entries.val_pos) \
+            else entries.dir_pos if n_dir else entries.val_pos
+        at_all = torch.from_numpy(positions).to(dev)
+        y_all = _host(slot.values_at(at_all))
+        tau_all = c * UNIT_ROUNDOFF * _host(slot.scale_at(at_all))
+        cell_all = grid.cell(y_all)
+        with np.errstate(invalid="ignore", over="ignore"):
+            if n_dir:
+                at = at_all[:n_dir]
+                pos = entries.dir_pos
+                yc, tau = y_all[:n_dir], tau_all[:n_dir]
+                cell = tuple(part[:n_dir] for part in cell_all)
+                away = entries.dir_bits.astype(bool)
+                forced = grid.apply_direction(yc, away, cell)
+                natural = grid.round_host(yc)
+                contradicts = forced.view(np.int32) != natural.view(np.int32)
+                self.mode.stats.corrections[phase] += int(contradicts.sum())
+                dist = grid.midpoint_distance(yc, cell)
+                # needed only within slack * tau of a midpoint; NaN or infinite results never need one. An
+                # entry that *overrides* our rounding must be one an honest trainer could have made: its result
+                # lies within tau of ours (the error model), so ours is within tau of the midpoint it crossed. A
+                # result with tau 0 (certified exact) is the same on every machine: rounding decides even at a
+                # tie, so no honest entry contradicts it
+                bad = ~(dist <= slack * tau) | ~np.isfinite(yc) | (np.abs(yc) >= 2.0**128) \
+                    | (contradicts & ~((dist <= tau * HONEST_TAU) & (tau > 0)))
+                self.mode.stats.freedom_direction += len(pos)
+                for j in np.flatnonzero(bad).tolist():
+                    self.suspicious(int(pos[j]), index, "direction",
+                                    f"{func}: value {float(yc[j])!r} is {float(dist[j]):.3g} from a midpoint, "
+                                    f"threshold {float(tau[j]):.3g}", op=str(func))
+                flat[at] = torch.from_numpy(forced).to(dev)
+            if len(entries.val_pos):
+                at = at_all[n_dir:]
+                pos = entries.val_pos
+                vals = entries.val_bits.view(np.float32)
+                yc, tau, spacing = y_all[n_dir:], tau_all[n_dir:], cell_all[2][n_dir:]
+                natural = grid.round_host(yc)
+                contradicts = vals.view(np.int32) != natural.view(np.int32)
+                self.mode.stats.corrections[phase] += int(contradicts.sum())
+                v64 = vals.astype(np.float64)
+                window = slack * tau
+                # the auditor's own classification: a value entry is needed only where the error bound is not
+                # small against the grid spacing anywhere in the window (the trainer's result lies within tau
+                # of ours, so its spacing is at least the spacing at |y| - tau)
+                low = np.maximum(np.abs(yc) - window, 0.0)
+                needed = np.isfinite(yc) & (np.abs(yc) < 2.0**128) & (window >= grid.spacing_at(low) / 8)
+                # the value must be a grid point the honest trainer could have produced: round(y') for some
+                # y' within tau of ours (the error model); an entry that agrees with our own rounding changes
+                # nothing and only has to be needed
+                honest = tau * HONEST_TAU
+                lo, hi = grid.round_host(yc - honest).astype(np.float64), grid.round_host(yc + honest).astype(np.float64)
+                inside = (v64 >= lo) & (v64 <= hi)
+                on_grid = grid.on_grid(vals)
+                bad = ~needed | (contradicts & ~inside) | ~on_grid | ~np.isfinite(v64)
+                self.mode.stats.freedom_value += len(pos)
+                ok = ~bad
+                if ok.any():  # the trainer could have logged any grid value in [lo, hi]
+                    width = (hi - lo)[ok]
+                    self.mode.stats.freedom_value_window += float(width.sum())
+                    self.mode.stats.freedom_value_cells += float((width / spacing[ok]).sum())
+                for j in np.flatnonzero(bad).tolist():
+                    self.suspicious(int(pos[j]), index, "value",
+                                    f"{func}: logged value {float(vals[j])!r} but the computed value is "
+                                    f"{float(yc[j])!r} (threshold {float(tau[j]):.3g})", op=str(func))
+                flat[at] = torch.from_numpy(np.where(on_grid, vals, grid.round_host(v64))).to(dev)
+
+    def suspicious(self, position, slot, kind, detail, op=""):
+        """Counts an implausible entry (the audit fails on any) and names the first few."""
+        stats = self.mode.stats  # the mode's current counts: a captured region's row run swaps them
+        stats.suspicious_count += 1
+        if len(stats.suspicious) < MAX_SUSPICIOUS_DETAILS:
+            stats.suspicious.append(Suspicious(self.mode.step, self.mode.op_index, op, slot, position, kind, detail))
+
+    def suspicious_block(self, func, slot, entries, why):
+        """Every entry of an output that can have none (an exact op's) is suspicious."""
+        positions = np.concatenate([entries.dir_pos, entries.val_pos])
+        for p in positions[:MAX_SUSPICIOUS_DETAILS]:  # details for the first few; every one is counted
+            self.suspicious(int(p), slot, "exact", f"{func}: {why}", op=str(func))
+        self.mode.stats.suspicious_count += max(0, len(positions) - MAX_SUSPICIOUS_DETAILS)
 
 
 class VerifiedMode(TorchDispatchMode):
@@ -586,6 +805,9 @@ class VerifiedMode(TorchDispatchMode):
         self.grid = Grid(config.bits)
         self.step = step
         self.writer, self.reader = writer, reader
+        # the two roles' halves: the trainer's writes the log, the auditor's reads, checks and applies it
+        self.trainer = TrainerHalf(self) if writer is not None else None
+        self.auditor = AuditorHalf(self) if reader is not None else None
         self.stats = StepStats(step=step)
         self.random_index = 0
         self.op_index = 0
@@ -695,47 +917,24 @@ class VerifiedMode(TorchDispatchMode):
 
     # --- scalars ----------------------------------------------------------------------------------
 
-    def _round_scalars(self, leaves, record_scalars, forced):
-        """Round Python float leaves to float32 in place; trainer notes near-midpoint ones. (The auditor's
-        forced decisions for positions that are not finite float scalars are flagged by _unused_forced.)"""
-        forced_used = self._forced_used = set()
+    def _round_scalars(self, func, leaves, record_scalars, forced):
+        """Round Python float leaves to float32 in place; trainer notes near-midpoint ones, the auditor forces
+        the log's decisions (and flags those for positions that are not finite float scalars)."""
+        used = set()
         for i, x in enumerate(leaves):
             if type(x) is not float or not math.isfinite(x):
                 continue
             if i in forced:
-                leaves[i] = self._force_scalar(x, forced[i], i)
-                forced_used.add(i)
+                leaves[i] = self.auditor.force_scalar(x, forced[i], i)
+                used.add(i)
                 continue
             if record_scalars is not None:
                 away = _scalar_entry(x)
                 if away is not None:
                     record_scalars.append((i, away))
             leaves[i] = float(np.float32(x))
-
-    def _unused_forced(self, func, leaves, forced):
-        for pos in forced:
-            if pos not in self._forced_used:
-                self._suspicious(pos, 0, "scalar", f"{func}: scalar entry for argument {pos}, which is not a "
-                                 f"finite float scalar", op=str(func))
-
-    def _force_scalar(self, x, away, pos):
-        x32 = float(np.float32(x))
-        other = float(np.nextafter(np.float32(x32), np.float32(math.copysign(math.inf, x - x32)))) if x32 != x else x32
-        lo, hi = sorted((abs(x32), abs(other)))
-        mid = (lo + hi) / 2
-        dist = abs(abs(x) - mid)
-        if hi == lo or dist > self.config.slack * SCALAR_THRESHOLD * abs(x):
-            self._suspicious(pos, 0, "scalar", f"scalar {x!r} is not near a float32 midpoint")
-        elif bool(away) != (abs(x32) > abs(x)):
-            # an entry that overrides our rounding must be one an honest trainer could have made: it logs
-            # within SCALAR_THRESHOLD, and its scalar is on the other side of the midpoint only if ours is
-            # closer to it than that (as for tensor entries, docs/SECURITY.md rows 1 and 19)
-            self.stats.corrections[self._phase()] += 1
-            if dist > SCALAR_THRESHOLD * HONEST_TAU * abs(x):
-                self._suspicious(pos, 0, "scalar", f"scalar {x!r} rounded {'away from' if away else 'toward'} zero, "
-                                 f"against its own rounding, {dist / abs(x):.3g} (relative) from a float32 "
-                                 f"midpoint: beyond the scalar threshold {SCALAR_THRESHOLD:.3g}")
-        return math.copysign(hi if away else lo, x)
+        if forced:
+            self.auditor.unused_forced(func, forced, used)
 
     # --- compute ----------------------------------------------------------------------------------
 
@@ -758,8 +957,7 @@ class VerifiedMode(TorchDispatchMode):
 
         record, forced = self._open_op(func)
         scalars = [] if self.writer is not None else None
-        self._round_scalars(leaves, scalars, forced)
-        self._unused_forced(func, leaves, forced)
+        self._round_scalars(func, leaves, scalars, forced)
 
         if isinstance(explicit, torch.dtype) and explicit.is_floating_point:
             out_dtype = explicit
@@ -908,7 +1106,7 @@ class VerifiedMode(TorchDispatchMode):
     def _writes_in_place(self, record, k, target) -> bool:
         """Whether the kernel of output ``k`` of an in-place op on ``target`` may write into ``target`` itself
         (no float32 result allocated and copied back). The trainer's kernel leaves its candidates' old values
-        there, for _record to evaluate them again and then overwrite them. The auditor's writes every value, so
+        there, for TrainerHalf.record to evaluate them again and then overwrite them. The auditor's writes every value, so
         only where the log (if any) has an output of this shape there with no entries, and nothing needs the
         operand's old values after the kernel: a log that says otherwise takes the usual path, where
         _finish_op checks it."""
@@ -1119,18 +1317,7 @@ class VerifiedMode(TorchDispatchMode):
     def _open_op(self, func):
         """(the auditor's record for this op or None, forced scalar decisions)."""
         self.op_index += 1
-        if self.reader is None:
-            return None, {}
-        rec = self.reader.next_op()
-        if rec is None:
-            raise ReplayMismatchError(
-                f"step {self.step}, op #{self.op_index} {func}: the trainer's log ends before this op; "
-                f"the replay runs different code than the trainer did")
-        if rec.name != _info(func).label:
-            raise ReplayMismatchError(
-                f"step {self.step}, op #{self.op_index}: replay runs {func} but the log has {rec.name} here "
-                f"(a different task, code version or op stream)")
-        return rec, dict(rec.scalars)
+        return self.auditor.open(func) if self.auditor is not None else (None, {})
 
     def _finish_op(self, func, record: OpRecord | None, scalars, slots):
         """Round each slot; write or apply entries. Returns the float32 results (None for non-float)."""
@@ -1139,15 +1326,11 @@ class VerifiedMode(TorchDispatchMode):
         stats.ops += 1
         entries, finals = [], []
         n_rounded = 0
+        trainer, auditor = self.trainer, self.auditor
         if record is not None:
-            shapes = [s.shape for s in slots if s is not None]
-            got = [tuple(o.shape) for o in record.outputs]
-            if shapes != got:
-                raise ReplayMismatchError(
-                    f"step {self.step}, op #{self.op_index} {func}: output shapes {shapes} differ from the "
-                    f"log's {got} (a different task, configuration or batch)")
-        if self.writer is not None and self.emulate != "perturb" and self.probe is None:
-            self._scan_jointly(slots)
+            auditor.check_shapes(func, record, slots)
+        if trainer is not None and self.emulate != "perturb" and self.probe is None:
+            trainer.scan_jointly(slots)
         k = 0
         for i, slot in enumerate(slots):
             if slot is None:
@@ -1157,7 +1340,7 @@ class VerifiedMode(TorchDispatchMode):
             n_rounded += n
             if slot.op_class is None:
                 if record is not None and record.outputs[k].n_entries:
-                    self._suspicious_block(func, i, record.outputs[k], "entries for an exact op")
+                    auditor.suspicious_block(func, i, record.outputs[k], "entries for an exact op")
                 entries.append(OutputEntries(slot.shape))
             else:
                 if self.emulate == "perturb" and isinstance(slot, _EagerSlot):
@@ -1165,11 +1348,11 @@ class VerifiedMode(TorchDispatchMode):
                 if self.probe is not None and isinstance(slot, _EagerSlot):
                     self.probe(self.step, self.op_index, str(func), slot.op_class, i, slot.y64, slot.scale)
                 c = self.config.thresholds[slot.op_class]
-                if self.writer is not None:
-                    entries.append(self._record(slot, c))
+                if trainer is not None:
+                    entries.append(trainer.record(slot, c))
                     stats.analysed += n
                 elif record is not None and record.outputs[k].n_entries:  # most outputs have none
-                    self._replay(func, slot, record.outputs[k], phase, c, i)
+                    auditor.replay(func, slot, record.outputs[k], phase, c, i)
             finals.append(slot.y32)
             k += 1
         stats.rounded[phase] += n_rounded
@@ -1179,150 +1362,10 @@ class VerifiedMode(TorchDispatchMode):
         for e in seen:
             stats.entries_dir[phase] += len(e.dir_pos)
             stats.entries_val[phase] += len(e.val_pos)
-        if self.writer is not None:
+        if trainer is not None:
             stats.entries_scalar += len(scalars)
-            self.writer.op(_info(func).label, scalars, entries, n_rounded)
+            trainer.write(func, scalars, entries, n_rounded)
         return finals
-
-    def _scan_jointly(self, slots):
-        """Trainer: the candidate positions of a many-output op's small float64 results (a foreach op's, one
-        per parameter) from one scan of them laid end to end, kept in each slot for ``_record``. The bulk test
-        is elementwise, so each position gets the answer its own output's scan gives; but a scan per output
-        costs more to call than to run. Outputs that a fused epilogue scans, or whose scale covers some rows
-        only, keep their own scan."""
-        if len(slots) < 2:
-            return
-        group = [s for s in slots if type(s) is _EagerSlot and s.y64.device.type == "cpu"
-                 and s.y64.numel() < _JOINT_MAX_NUMEL and not FusedKernels.enabled_for(s.y64.numel(), "cpu")
-                 and not isinstance(s._scale_obj(), rules.RowSubset)]
-        if len(group) < 2:
-            return
-        c = self.config.thresholds[group[0].op_class]  # one rule, so one class, for all of an op's outputs
-        start = 0
-        while start < len(group):
-            end, total = start, 0
-            while end < len(group) and total < _JOINT_MAX_NUMEL:  # copies of a few hundred KB at most
-                total += group[end].y64.numel()
-                end += 1
-            chunk, start = group[start:end], end
-            bounds = np.cumsum([0] + [s.y64.numel() for s in chunk])
-            y = torch.cat([s.y64.reshape(-1) for s in chunk])
-            scale = torch.cat([s.scale().reshape(-1) for s in chunk])
-            pos = self.grid.candidate_positions(y, scale, c).numpy()
-            cuts = np.searchsorted(pos, bounds)
-            for k, s in enumerate(chunk):
-                s.found = torch.from_numpy(pos[cuts[k]:cuts[k + 1]] - bounds[k])
-
-    def _record(self, slot, c) -> OutputEntries:
-        """Trainer: find the entries of one output (and keep its float32 result consistent with them). The
-        candidates' classification runs in NumPy (rounding.Grid: few values, where torch's dispatch dominates)."""
-        grid = self.grid
-        e = OutputEntries(slot.shape)
-        idx = slot.candidate_indices(c)
-        if not idx.numel():
-            return e
-        yc = slot.values_at(idx)
-        tau = c * UNIT_ROUNDOFF * _host(slot.scale_at(idx))
-        is_val, is_dir, away = grid.classify(_host(yc), tau)
-        flat = slot.y32.view(-1)
-        if not isinstance(slot, _EagerSlot):
-            flat[idx] = grid.round(yc)  # the rounded result comes from the same values as the entries
-        idx = _host(idx).astype(np.int64, copy=False)
-        e.dir_pos = idx[is_dir]
-        e.dir_bits = away[is_dir]
-        e.val_pos = idx[is_val]
-        e.val_bits = _host(flat[torch.from_numpy(e.val_pos).to(flat.device)]).view(np.uint32) if len(e.val_pos) \
-            else np.zeros(0, np.uint32)
-        return e
-
-    def _replay(self, func, slot, entries: OutputEntries, phase, c, index):
-        """Auditor: force the trainer's decisions for one output and check each is plausible. The checks run
-        in NumPy on the entries' values (few per output, where torch's per-operation dispatch dominates); the
-        direction and value entries' values, scales and grid cells are fetched together, once per output (each
-        fetch costs more to call than to run: bench/profile_engine.py --per-op, the auditor's `classify`)."""
-        if not entries.n_entries:
-            return
-        grid = self.grid
-        slack = self.config.slack
-        flat = slot.y32.view(-1)
-        dev = flat.device
-        n_dir = len(entries.dir_pos)
-        positions = np.concatenate([entries.dir_pos, entries.val_pos]) if n_dir and len(entries.val_pos) \
-            else entries.dir_pos if n_dir else entries.val_pos
-        at_all = torch.from_numpy(positions).to(dev)
-        y_all = _host(slot.values_at(at_all))
-        tau_all = c * UNIT_ROUNDOFF * _host(slot.scale_at(at_all))
-        cell_all = grid.cell(y_all)
-        with np.errstate(invalid="ignore", over="ignore"):
-            if n_dir:
-                at = at_all[:n_dir]
-                pos = entries.dir_pos
-                yc, tau = y_all[:n_dir], tau_all[:n_dir]
-                cell = tuple(part[:n_dir] for part in cell_all)
-                away = entries.dir_bits.astype(bool)
-                forced = grid.apply_direction(yc, away, cell)
-                natural = grid.round_host(yc)
-                contradicts = forced.view(np.int32) != natural.view(np.int32)
-                self.stats.corrections[phase] += int(contradicts.sum())
-                dist = grid.midpoint_distance(yc, cell)
-                # needed only within slack * tau of a midpoint; NaN or infinite results never need one. An
-                # entry that *overrides* our rounding must be one an honest trainer could have made: its result
-                # lies within tau of ours (the error model), so ours is within tau of the midpoint it crossed. A
-                # result with tau 0 (certified exact) is the same on every machine: rounding decides even at a
-                # tie, so no honest entry contradicts it
-                bad = ~(dist <= slack * tau) | ~np.isfinite(yc) | (np.abs(yc) >= 2.0**128) \
-                    | (contradicts & ~((dist <= tau * HONEST_TAU) & (tau > 0)))
-                self.stats.freedom_direction += len(pos)
-                for j in np.flatnonzero(bad).tolist():
-                    self._suspicious(int(pos[j]), index, "direction",
-                                     f"{func}: value {float(yc[j])!r} is {float(dist[j]):.3g} from a midpoint, "
-                                     f"threshold {float(tau[j]):.3g}", op=str(func))
-                flat[at] = torch.from_numpy(forced).to(dev)
-            if len(entries.val_pos):
-                at = at_all[n_dir:]
-                pos = entries.val_pos
-                vals = entries.val_bits.view(np.float32)
-                yc, tau, spacing = y_all[n_dir:], tau_all[n_dir:], cell_all[2][n_dir:]
-                natural = grid.round_host(yc)
-                contradicts = vals.view(np.int32) != natural.view(np.int32)
-                self.stats.corrections[phase] += int(contradicts.sum())
-                v64 = vals.astype(np.float64)
-                window = slack * tau
-                # the auditor's own classification: a value entry is needed only where the error bound is not
-                # small against the grid spacing anywhere in the window (the trainer's result lies within tau
-                # of ours, so its spacing is at least the spacing at |y| - tau)
-                low = np.maximum(np.abs(yc) - window, 0.0)
-                needed = np.isfinite(yc) & (np.abs(yc) < 2.0**128) & (window >= grid.spacing_at(low) / 8)
-                # the value must be a grid point the honest trainer could have produced: round(y') for some
-                # y' within tau of ours (the error model); an entry that agrees with our own rounding changes
-                # nothing and only has to be needed
-                honest = tau * HONEST_TAU
-                lo, hi = grid.round_host(yc - honest).astype(np.float64), grid.round_host(yc + honest).astype(np.float64)
-                inside = (v64 >= lo) & (v64 <= hi)
-                on_grid = grid.on_grid(vals)
-                bad = ~needed | (contradicts & ~inside) | ~on_grid | ~np.isfinite(v64)
-                self.stats.freedom_value += len(pos)
-                ok = ~bad
-                if ok.any():  # the trainer could have logged any grid value in [lo, hi]
-                    width = (hi - lo)[ok]
-                    self.stats.freedom_value_window += float(width.sum())
-                    self.stats.freedom_value_cells += float((width / spacing[ok]).sum())
-                for j in np.flatnonzero(bad).tolist():
-                    self._suspicious(int(pos[j]), index, "value",
-                                     f"{func}: logged value {float(vals[j])!r} but the computed value is "
-                                     f"{float(yc[j])!r} (threshold {float(tau[j]):.3g})", op=str(func))
-                flat[at] = torch.from_numpy(np.where(on_grid, vals, grid.round_host(v64))).to(dev)
-
-    def _suspicious(self, position, slot, kind, detail, op=""):
-        self.stats.suspicious_count += 1
-        if len(self.stats.suspicious) < MAX_SUSPICIOUS_DETAILS:
-            self.stats.suspicious.append(Suspicious(self.step, self.op_index, op, slot, position, kind, detail))
-
-    def _suspicious_block(self, func, slot, entries, why):
-        positions = np.concatenate([entries.dir_pos, entries.val_pos])
-        for p in positions[:MAX_SUSPICIOUS_DETAILS]:  # details for the first few; every one is counted
-            self._suspicious(int(p), slot, "exact", f"{func}: {why}", op=str(func))
-        self.stats.suspicious_count += max(0, len(positions) - MAX_SUSPICIOUS_DETAILS)
 
     # --- random ops -------------------------------------------------------------------------------
 
@@ -1336,8 +1379,7 @@ class VerifiedMode(TorchDispatchMode):
         _check_dtypes(func, leaves)
         record, forced = self._open_op(func) if self.rounding else (None, {})
         scalars = [] if self.writer is not None else None
-        self._round_scalars(leaves, scalars, forced)
-        self._unused_forced(func, leaves, forced)
+        self._round_scalars(func, leaves, scalars, forced)
         args, kwargs = _unflatten_call(leaves, spec)
         a = _named(func, args, kwargs)
         name = rules.base_name(func)

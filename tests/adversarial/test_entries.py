@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import audit_json
-from veritrain.engine import EngineConfig, VerifiedMode, _EagerSlot, _FusedSlot, _PartSlot, step_context
+from veritrain.engine import (EngineConfig, TrainerHalf, VerifiedMode, _EagerSlot, _FusedSlot, _PartSlot,
+                              step_context)
 from veritrain.logformat import StepLogReader, StepLogWriter, read_records, write_records
 from veritrain.rounding import UNIT_ROUNDOFF, Grid
 from veritrain.runner import TrainOptions, train
@@ -63,17 +64,17 @@ def flip_beyond_the_bound(slot, e, c, limit: int) -> int:
 
 
 def dishonest_record(pushed: list, natural_only: bool):
-    """VerifiedMode._record of a trainer that adds value entries at positions that need none.
+    """TrainerHalf.record of a trainer that adds value entries at positions that need none.
 
     ``natural_only=False``: it pushes each such result up to the far edge of the window the old auditor
     tolerated (|v - y| <= spacing / 2 + slack * tau) wherever that is another grid point than the honest
     rounding, and trains on the pushed value. ``natural_only=True``: the entries hold the honest rounding
     (no effect on the weights; still entries that no honest trainer writes)."""
-    orig = VerifiedMode._record
+    orig = TrainerHalf.record
 
     def record(self, slot, c):
         e = orig(self, slot, c)
-        if self.step < 1 or not isinstance(slot, _EagerSlot) or slot.y64.numel() < 16:
+        if self.mode.step < 1 or not isinstance(slot, _EagerSlot) or slot.y64.numel() < 16:
             return e
         y = slot.y64.reshape(-1)
         tau = c * UNIT_ROUNDOFF * slot.scale().reshape(-1)
@@ -83,7 +84,7 @@ def dishonest_record(pushed: list, natural_only: bool):
             v = natural
             chosen = torch.isfinite(y) & (tau < spacing / 8)
         else:
-            v = largest_grid_point_at_most(y + spacing / 2 + self.config.slack * tau)
+            v = largest_grid_point_at_most(y + spacing / 2 + self.mode.config.slack * tau)
             chosen = torch.isfinite(y) & (tau < spacing / 8) & (v.view(torch.int32) != natural.view(torch.int32))
         pos = free_positions(chosen, e, 50)
         if not len(pos):
@@ -100,7 +101,7 @@ def dishonest_record(pushed: list, natural_only: bool):
 @pytest.mark.parametrize("natural_only", [False, True], ids=["far-edge", "unneeded-but-harmless"])
 def test_row1_value_entries_where_none_is_needed_are_rejected(tmp_path, monkeypatch, natural_only):
     pushed = []
-    monkeypatch.setattr(VerifiedMode, "_record", dishonest_record(pushed, natural_only))
+    monkeypatch.setattr(TrainerHalf, "record", dishonest_record(pushed, natural_only))
     run = tmp_path / "run"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
     monkeypatch.undo()
@@ -176,7 +177,7 @@ def test_value_entries_inside_the_window_are_counted_as_the_trainers_freedom(tmp
 
 def test_direction_and_value_entries_of_one_output_are_each_checked_against_their_own_position(tmp_path):
     """The auditor fetches an output's direction and value entries' values and error bounds together
-    (VerifiedMode._replay); each entry must still be judged by its own position's bound. A forged direction
+    (AuditorHalf.replay); each entry must still be judged by its own position's bound. A forged direction
     entry at a result far from any midpoint beside honest value entries (a result that cancels to rounding
     noise, whose bound is large) in the same output: exactly the forged one is suspicious."""
     g = torch.Generator().manual_seed(0)
@@ -205,14 +206,14 @@ def test_a_flipped_rounding_beside_honest_value_entries_is_rejected_by_an_audito
                                                                                                       monkeypatch):
     """A trainer that flips the rounding of one plain result (far from any midpoint) in each output that honestly
     holds value entries, trains on it and logs it as a direction entry beside them. The auditor, on another
-    variant, checks both kinds of an output's entries from one fetch of their bounds (VerifiedMode._replay):
+    variant, checks both kinds of an output's entries from one fetch of their bounds (AuditorHalf.replay):
     the flipped one must still be judged by its own bound, and the run rejected."""
-    orig = VerifiedMode._record
+    orig = TrainerHalf.record
     flipped = []
 
     def record(self, slot, c):
         e = orig(self, slot, c)
-        if self.step < 1 or not isinstance(slot, _EagerSlot) or not len(e.val_pos):
+        if self.mode.step < 1 or not isinstance(slot, _EagerSlot) or not len(e.val_pos):
             return e
         y = slot.y64.reshape(-1)
         far = torch.isfinite(y) & (GRID.midpoint_distance(y) > GRID.spacing_at(y) / 4)
@@ -226,7 +227,7 @@ def test_a_flipped_rounding_beside_honest_value_entries_is_rejected_by_an_audito
         flipped.append(int(pos[0]))
         return e
 
-    monkeypatch.setattr(VerifiedMode, "_record", record)
+    monkeypatch.setattr(TrainerHalf, "record", record)
     run = tmp_path / "run"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
     monkeypatch.undo()
@@ -270,19 +271,19 @@ def test_a_rounding_flipped_beyond_the_error_bound_is_rejected(tmp_path, monkeyp
     """Slack tolerates entries the trainer logged; it does not widen what an honest trainer could have
     *chosen*. A trainer that overrides the rounding of results between tau and slack * tau from a
     midpoint (no honest result within tau of ours rounds that way) is rejected."""
-    orig = VerifiedMode._record
+    orig = TrainerHalf.record
     flipped = []
 
     def record(self, slot, c):
         e = orig(self, slot, c)
-        if self.step < 1 or not isinstance(slot, _EagerSlot) or slot.y64.numel() < 16:
+        if self.mode.step < 1 or not isinstance(slot, _EagerSlot) or slot.y64.numel() < 16:
             return e
         n = flip_beyond_the_bound(slot, e, c, 20)
         if n:
             flipped.append(n)
         return e
 
-    monkeypatch.setattr(VerifiedMode, "_record", record)
+    monkeypatch.setattr(TrainerHalf, "record", record)
     run = tmp_path / "run"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
     monkeypatch.undo()
@@ -304,7 +305,7 @@ def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeyp
     if where == "fused":
         monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "256")  # digits-cnn's larger parameters take the path
     forged_type = _FusedSlot if where == "fused" else _PartSlot
-    orig_record, orig_foreach = VerifiedMode._record, VerifiedMode._try_fused_foreach
+    orig_record, orig_foreach = TrainerHalf.record, VerifiedMode._try_fused_foreach
     forged = []
 
     def foreach(self, *a, **kw):
@@ -316,7 +317,7 @@ def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeyp
 
     def record(self, slot, c):
         e = orig_record(self, slot, c)
-        if self.step < 1 or not getattr(self, "_forging", False) or type(slot) is not forged_type:
+        if self.mode.step < 1 or not getattr(self.mode, "_forging", False) or type(slot) is not forged_type:
             return e
         n = int(np.prod(slot.shape))
         every = torch.arange(n)
@@ -341,7 +342,7 @@ def test_forged_entries_in_a_fused_foreach_output_are_rejected(tmp_path, monkeyp
 
     run = tmp_path / "run"
     with monkeypatch.context() as m:
-        m.setattr(VerifiedMode, "_record", record)
+        m.setattr(TrainerHalf, "record", record)
         m.setattr(VerifiedMode, "_try_fused_foreach", foreach)
         train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
     assert sum(forged) > 0, f"no {where} foreach output to forge in"
@@ -442,12 +443,12 @@ def test_roundings_flipped_in_a_convolutions_gradients_are_rejected(tmp_path, mo
     from veritrain import rules
     from veritrain.runner import audit
 
-    orig = VerifiedMode._record
+    orig = TrainerHalf.record
     flipped = []
 
     def record(self, slot, c):
         e = orig(self, slot, c)
-        if self.step < 1 or not isinstance(slot, _EagerSlot) or slot.index > 1 \
+        if self.mode.step < 1 or not isinstance(slot, _EagerSlot) or slot.index > 1 \
                 or slot.analysis.call.func is not torch.ops.aten.convolution_backward.default:
             return e
         n = flip_beyond_the_bound(slot, e, c, 5)
@@ -455,7 +456,7 @@ def test_roundings_flipped_in_a_convolutions_gradients_are_rejected(tmp_path, mo
             flipped.append((slot.index, n))
         return e
 
-    monkeypatch.setattr(VerifiedMode, "_record", record)
+    monkeypatch.setattr(TrainerHalf, "record", record)
     run = tmp_path / "run"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))
     monkeypatch.undo()
@@ -476,18 +477,18 @@ def test_roundings_flipped_in_a_forward_convolution_by_the_input_gradient_kernel
     results, trains on them and logs them as direction entries, is rejected by an auditor on another variant that
     computes them the same way, every flip counted. The kernel changes how the float64 result is computed, not
     the auditor's checks of entries."""
-    orig = VerifiedMode._record
+    orig = TrainerHalf.record
     flipped = []
 
     def record(self, slot, c):
         e = orig(self, slot, c)
-        if self.step < 1 or not isinstance(slot, _EagerSlot) \
+        if self.mode.step < 1 or not isinstance(slot, _EagerSlot) \
                 or slot.analysis.call.func is not torch.ops.aten.convolution.default:
             return e
         flipped.append(flip_beyond_the_bound(slot, e, c, 5))
         return e
 
-    monkeypatch.setattr(VerifiedMode, "_record", record)
+    monkeypatch.setattr(TrainerHalf, "record", record)
     monkeypatch.setenv("VERITRAIN_CONV_MIN_NUMEL", "0")
     run = tmp_path / "run"
     train(TrainOptions(task="digits-cnn", out=str(run), steps=3, checkpoint_every=3, progress=False))

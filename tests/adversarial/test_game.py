@@ -244,10 +244,10 @@ def test_9_the_referee_uses_its_own_non_tensor_arguments(tmp_path):
 def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_path):
     """#11: every hash matches, the audit rejects only for one suspicious log entry; the game must not end
     in no_dispute: the referee recomputes that op with the trainer's log record and confirms it."""
-    from veritrain.engine import _EagerSlot, _PartSlot
+    from veritrain.engine import TrainerHalf, _EagerSlot, _PartSlot
 
     grid = Grid(32)
-    orig = VerifiedMode._record
+    orig = TrainerHalf.record
     steered = {}
 
     def record(self, slot, c):
@@ -255,7 +255,7 @@ def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_pat
         # AdamW's update of a parameter: a part of the foreach op's small tensors laid end to end (or, computed
         # tensor by tensor, its own output)
         whole = slot.whole if isinstance(slot, _PartSlot) else slot
-        if self.step == STEER_STEP and not steered and isinstance(whole, _EagerSlot) \
+        if self.mode.step == STEER_STEP and not steered and isinstance(whole, _EagerSlot) \
                 and math.prod(slot.shape) >= 64 \
                 and str(whole.analysis.call.func) in ("aten.addcdiv.default", "aten._foreach_addcdiv.ScalarList"):
             flat = slot.values_at(torch.arange(math.prod(slot.shape)))
@@ -270,15 +270,15 @@ def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_pat
                 pos = np.append(e.dir_pos, p)
                 order = np.argsort(pos)
                 e.dir_pos, e.dir_bits = pos[order], np.append(e.dir_bits, away)[order]
-                steered.update(op=str(whole.analysis.call.func), position=p, op_index=self.op_index)
+                steered.update(op=str(whole.analysis.call.func), position=p, op_index=self.mode.op_index)
         return e
 
     run = tmp_path / "steered"
-    VerifiedMode._record = record
+    TrainerHalf.record = record
     try:
         train(TrainOptions(task="digits-cnn", out=str(run), **COMMON))
     finally:
-        VerifiedMode._record = orig
+        TrainerHalf.record = orig
     assert steered, "found nothing to steer"
     rc, result, _ = audit(run, tmp_path / "audit")
     assert rc == 1 and result["suspicious"] == 1, result

@@ -32,7 +32,6 @@ import torch
 from veritrain import blocked, capture, fused, hardware, rounding
 from veritrain.engine import EngineConfig, step_context
 from veritrain.logformat import StepLogReader, StepLogWriter
-from veritrain.rounding import Grid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

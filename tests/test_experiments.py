@@ -1,7 +1,6 @@
 """Each experiment at tiny sizes: its outputs (CSV, Markdown, PNG) and the properties that must hold."""
 
 import csv
-import os
 
 import pytest
 
@@ -68,7 +67,7 @@ def test_data_order_moves_weights_more_than_hardware(tmp_path):
 def test_rounding_amount_sweep_and_report(tmp_path):
     rows = experiment(tmp_path, "rounding", "--steps", "2", "--bits", "32,26")
     assert [int(r["bits"]) for r in rows] == [32, 26] and all(float(r["loss"]) > 0 for r in rows)
-    p = cli("report", tmp_path, check=0)
+    cli("report", tmp_path, check=0)
     report = (tmp_path / "report.md").read_text()
     assert "18 MB" in report and "rounding/rounding.png" in report and "Not run:" in report
 

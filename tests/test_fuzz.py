@@ -1,7 +1,6 @@
 """Hostile inputs: the log decoder and the manifest loader fail only with their documented errors, and
 a log that declares huge blocks is refused before memory is spent on it."""
 
-import io
 import json
 import os
 import tracemalloc

@@ -1,6 +1,5 @@
 """The rounding log: round trips and malformed input (spec: docs/FORMAT.md)."""
 
-import io
 import os
 
 import numpy as np

@@ -124,7 +124,6 @@ class SlowProver(LocalProver):
 
 def test_an_unreachable_refusing_or_slow_prover_loses(runs):
     honest, _, audits = runs
-    audit_state = json.loads((audits["honest"][2] / "audit.json").read_text())
     with pytest.raises(ProverError, match="cannot reach"):
         HttpProver("http://127.0.0.1:9", timeout=2).manifest()
     server = make_server(LocalProver(str(honest)), "127.0.0.1", 0)

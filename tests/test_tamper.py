@@ -1,6 +1,5 @@
 """Logs that lie: steering a rounding far from any midpoint, and logs that belong to other code."""
 
-import json
 import os
 import shutil
 

@@ -44,7 +44,6 @@ def test_broken_tokenizer_files_are_named(tmp_path):
 
 # --- CIFAR-10 and the resnet-cifar10 task --------------------------------------------------------
 
-import io  # noqa: E402
 import pickle  # noqa: E402
 import tarfile  # noqa: E402
 

@@ -1106,9 +1106,9 @@ class VerifiedMode(TorchDispatchMode):
     def _writes_in_place(self, record, k, target) -> bool:
         """Whether the kernel of output ``k`` of an in-place op on ``target`` may write into ``target`` itself
         (no float32 result allocated and copied back). The trainer's kernel leaves its candidates' old values
-        there, for TrainerHalf.record to evaluate them again and then overwrite them. The auditor's writes every value, so
-        only where the log (if any) has an output of this shape there with no entries, and nothing needs the
-        operand's old values after the kernel: a log that says otherwise takes the usual path, where
+        there, for TrainerHalf.record to evaluate them again and then overwrite them. The auditor's writes every
+        value, so only where the log (if any) has an output of this shape there with no entries, and nothing
+        needs the operand's old values after the kernel: a log that says otherwise takes the usual path, where
         _finish_op checks it."""
         if not isinstance(target, torch.Tensor):
             return False

@@ -384,7 +384,7 @@ def test_the_kernels_stability_test_finds_every_element_that_needs_an_entry():
     # and below float32's normal range, where the bit test flags every result with a nonzero scale (its low bits
     # are not the grid's there): underflowing probabilities, AdamW's moments decaying to zero. The stability test
     # flags only those whose rounding is in doubt, which is why the kernels keep it where the bit test's kernel
-    # is the cheaper one (docs/SPEED.md, session 37)
+    # is the cheaper one (docs/SPEED-RECORD.md, session 37)
     tiny = r * 2.0**-130
     tiny_scale = tiny.abs()
     is_value, is_dir, _ = grid.classify(tiny, c * UNIT_ROUNDOFF * tiny_scale)

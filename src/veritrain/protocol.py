@@ -845,10 +845,13 @@ def play(prover: Prover, audit: dict, root: str | None, policy: Policy, device="
 # --- the referee -------------------------------------------------------------------------------
 
 
-def _checked_inputs(ch: Challenger, step: int, index: int, mine: dict, theirs: dict, prev_chain: str, out: dict):
+def _checked_inputs(ch: Challenger, step: int, index: int, mine: dict, theirs: dict, prev_chain: str, out: dict,
+                    own_call: bytes):
     """The prover's tensor inputs for op ``index``: its entry must hash into the running hash it answered
     with (so it binds the inputs, arguments and outputs the bisection compared), name the same op, and
-    the tensors it sends must have the digests it claimed. Returns the tensors, or a ruling."""
+    the tensors it sends must have the digests it claimed, as many as this side's own call of the op
+    (``own_call``) takes. Returns (that call: func, args, kwargs, random-op index, its tensors; the prover's
+    tensors, each where this side's own is), or a ruling."""
     def lose(why):
         return {**out, "verdict": "trainer_wrong", "ruling": why}
 
@@ -865,7 +868,10 @@ def _checked_inputs(ch: Challenger, step: int, index: int, mine: dict, theirs: d
         return lose(f"the prover's inputs for op {index} are malformed ({str(e)[:200]})")
     if [_digest(t) for t in sent] != theirs.get("inputs"):
         return lose(f"the prover sent inputs for op {index} that differ from the ones it claimed")
-    return sent
+    func, args, kwargs, random_index, own = load_call(own_call)
+    if len(sent) != len(own) or len(own) != len(mine["inputs"]):
+        return lose(f"the prover sent {len(sent)} tensor inputs for {mine['op']}, which takes {len(own)}")
+    return (func, args, kwargs, random_index, own), [t.to(o.device) for t, o in zip(sent, own)]
 
 
 def referee(ch: Challenger, rep: Replayer, step: int, index: int, mine: dict, theirs: dict, log: bytes | None,
@@ -880,14 +886,10 @@ def referee(ch: Challenger, rep: Replayer, step: int, index: int, mine: dict, th
     against the trainer. The op is then recomputed with the trainer's logged rounding decisions for it,
     and the party whose output it reproduces is right."""
     out = {"referee_ops": 0, "referee_bytes": len(log) if log else 0}
-    sent = _checked_inputs(ch, step, index, mine, theirs, prev_chain, out)
-    if isinstance(sent, dict):
-        return sent
-    func, args, kwargs, random_index, own = load_call(own_call)
-    if len(sent) != len(own) or len(own) != len(mine["inputs"]):
-        return {**out, "verdict": "trainer_wrong",
-                "ruling": f"the prover sent {len(sent)} tensor inputs for {mine['op']}, which takes {len(own)}"}
-    sent = [t.to(o.device) for t, o in zip(sent, own)]  # where this side's own call has them
+    checked = _checked_inputs(ch, step, index, mine, theirs, prev_chain, out, own_call)
+    if isinstance(checked, dict):
+        return checked
+    (func, args, kwargs, random_index, own), sent = checked
     notes = []
     if theirs.get("args") != mine.get("args"):
         notes.append(f"op {index} of step {step}: the prover's trace binds other non-tensor arguments of "
@@ -953,14 +955,10 @@ def referee_suspicious(ch: Challenger, rep: Replayer, step: int, index: int, min
     this one, so the referee recomputes it alone (its own call, the prover's checked tensors) with the
     trainer's log record and looks at what the engine flags. ``verdict`` is None when not confirmed."""
     out = {"referee_ops": 0, "referee_bytes": len(log) if log else 0}
-    sent = _checked_inputs(ch, step, index, mine, theirs, prev_chain, out)
-    if isinstance(sent, dict):
-        return sent
-    func, args, kwargs, random_index, own = load_call(own_call)
-    if len(sent) != len(own) or len(own) != len(mine["inputs"]):
-        return {**out, "verdict": "trainer_wrong",
-                "ruling": f"the prover sent {len(sent)} tensor inputs for {mine['op']}, which takes {len(own)}"}
-    sent = [t.to(o.device) for t, o in zip(sent, own)]  # where this side's own call has them
+    checked = _checked_inputs(ch, step, index, mine, theirs, prev_chain, out, own_call)
+    if isinstance(checked, dict):
+        return checked
+    (func, args, kwargs, random_index, own), sent = checked
     # every op before this one agrees (their outputs and arguments are bound by the running hash): an input
     # whose digest still differs is not one the op reads (uninitialised memory it overwrites): this side's
     sent = [t if d_p == d_c else mine_t for t, d_p, d_c, mine_t in zip(sent, theirs["inputs"], mine["inputs"], own)]

@@ -221,21 +221,63 @@ class StepSizeProver(LocalProver):
             return super()._trace(step, capture)
 
 
-def test_9_the_referee_uses_its_own_non_tensor_arguments(tmp_path):
+@pytest.fixture(scope="module")
+def doubled_run(tmp_path_factory):
+    """A digits-cnn run whose step LR_STEP took a doubled step size, and its rejecting audit's state."""
+    d = tmp_path_factory.mktemp("doubled")
+    run = d / "run"
+    with doubled_step_size():
+        train(TrainOptions(task="digits-cnn", out=str(run), **COMMON))
+    rc, result, audit_state = audit(run, d / "audit")
+    assert rc == 1 and not result["accepted"]
+    return run, audit_state
+
+
+def test_9_the_referee_uses_its_own_non_tensor_arguments(doubled_run):
     """#9: the trainer changed one of AdamW's step sizes in its update (a `scalars` entry of
     _foreach_addcdiv_); the prover's payload carries
     that value. The referee must recompute with the argument of its own replay, not the prover's."""
-    run = tmp_path / "run"
-    with doubled_step_size():
-        train(TrainOptions(task="digits-cnn", out=str(run), **COMMON))
-    rc, result, audit_state = audit(run, tmp_path / "audit")
-    assert rc == 1 and not result["accepted"]
+    run, audit_state = doubled_run
     v = Challenger(StepSizeProver(str(run)), audit_state).play()
     assert v["verdict"] == "trainer_wrong", v
     assert v["interval"] == LR_STEP // 2 and v["step"] == LR_STEP, v
     assert v["operator"] == "aten._foreach_addcdiv_.ScalarList" and v["module"] == "optimizer", v
     assert v["referee_ops"] == 1, v
     assert any("non-tensor arguments" in r for r in v["reasons"]), v
+
+
+class ShortInputsProver(StepSizeProver):
+    """The same trainer's prover, answering the disputed op with one tensor input fewer than the op takes: its
+    trace entry's input digests and its payload alike, so that every tensor it sends has the digest it
+    claimed (the running hash does not bind input digests, OpTrace.link)."""
+
+    def _disputed(self, step, index):
+        return step == LR_STEP and StepSizeProver.op(self, step, index)["op"] == "aten._foreach_addcdiv_.ScalarList"
+
+    def op(self, step, index):
+        entry = super().op(step, index)
+        return {**entry, "inputs": entry["inputs"][:-1]} if self._disputed(step, index) else entry
+
+    def op_inputs(self, step, index):
+        payload = super().op_inputs(step, index)
+        if not self._disputed(step, index):
+            return payload
+        func, args, kwargs, random_index, _ = load_call(payload)
+        args = list(args)
+        args[2] = args[2][:-1]  # the last tensor of the call (tensor2's last), as the entry's digests
+        return dump_call(func, tuple(args), kwargs, random_index)
+
+
+def test_9_a_prover_sending_fewer_tensor_inputs_than_the_op_takes_loses(doubled_run):
+    """The referee recomputes the op with this side's own call: a prover whose inputs are fewer than that
+    call's tensors (each with the digest it claimed) must lose, not crash the referee or be recomputed on a
+    shortened list."""
+    run, audit_state = doubled_run
+    v = Challenger(ShortInputsProver(str(run)), audit_state).play()
+    assert v["verdict"] == "trainer_wrong", v
+    assert v["step"] == LR_STEP and v["operator"] == "aten._foreach_addcdiv_.ScalarList", v
+    assert v["referee_ops"] == 0, v  # ruled before anything is recomputed
+    assert "tensor inputs for aten._foreach_addcdiv_.ScalarList, which takes" in v["ruling"], v
 
 
 # --- #11: a rounding steered far from any midpoint ----------------------------------------------------------

@@ -409,12 +409,16 @@ class Challenger:
                         f"refused (at most {MAX_INTERVALS})")
         return n
 
-    def ask(self, what: str, fn, *args):
+    def ask(self, what: str, fn, *args, returns: type | None = None):
+        """The prover's answer to one query; ``returns``: the type it must have (a Prover of any transport
+        answers here, not only HttpProver, which checks its answers itself)."""
         self.queries += 1
         try:
             out = fn(*args)
         except (ProverError, LookupError, ValueError) as e:
             raise _Lost(f"the prover failed to answer {what}: {e}") from None
+        if returns is not None and not isinstance(out, returns):
+            raise _Lost(f"the prover's answer to {what} is not {returns.__name__} but {type(out).__name__}")
         if isinstance(out, (bytes, bytearray)):
             self.bytes += len(out)
         return out
@@ -444,8 +448,10 @@ class Challenger:
             lo, hi, expect = 0, self.n, self.root
             while hi - lo > 1:
                 (a, b), (c, d) = children(lo, hi)
-                left = self.ask(f"node [{a},{b})", self.p.node, a, b)
-                right = self.ask(f"node [{c},{d})", self.p.node, c, d)
+                left = self.ask(f"node [{a},{b})", self.p.node, a, b, returns=bytes)
+                right = self.ask(f"node [{c},{d})", self.p.node, c, d, returns=bytes)
+                if len(left) != 32 or len(right) != 32:
+                    raise _Lost(f"the prover's nodes [{a},{b}) and [{c},{d}) are not 32-byte hashes")
                 if node_hash(left, right) != expect:
                     raise _Lost(f"the prover's nodes [{a},{b}) and [{c},{d}) do not hash to their parent "
                                 f"[{lo},{hi}) (inconsistent with the committed root)")
@@ -465,8 +471,13 @@ class Challenger:
         return None
 
     def leaf(self, i: int) -> bytes:
-        data, proof = self.ask(f"leaf {i}", self.p.leaf, i)
-        if not verify_inclusion(leaf_hash(data), i, self.n, proof, self.root):
+        answer = self.ask(f"leaf {i}", self.p.leaf, i)
+        try:
+            data, proof = answer
+            included = isinstance(data, bytes) and verify_inclusion(leaf_hash(data), i, self.n, list(proof), self.root)
+        except (TypeError, ValueError):
+            raise _Lost(f"the prover's answer for leaf {i} is not a leaf and its inclusion proof") from None
+        if not included:
             raise _Lost(f"the prover's inclusion proof for leaf {i} does not verify against the committed root")
         return data
 
@@ -502,7 +513,7 @@ class Challenger:
 
         reader = None
         if self.run.mode == "verified":
-            raw = self.ask("the initialisation log", self.p.init_log)
+            raw = self.ask("the initialisation log", self.p.init_log, returns=bytes)
             if hashlib.sha256(raw).hexdigest() != self.m.get("init_log_sha256"):
                 raise _Lost("the prover's initialisation log is not the one its manifest commits to")
             try:
@@ -570,7 +581,7 @@ class Challenger:
                 raise _Lost(f"the trainer committed a malformed leaf {i - 1} ({e})") from None
         records, logs = {}, {}
         for s, h in zip(range(a, b), info["records"]):
-            raw = self.ask(f"record {s}", self.p.record, s)
+            raw = self.ask(f"record {s}", self.p.record, s, returns=bytes)
             if hashlib.sha256(raw).hexdigest() != h:
                 raise _Lost(f"the prover's data record for step {s} does not match leaf {i}")
             try:
@@ -653,10 +664,7 @@ class Challenger:
         return hi
 
     def _op(self, step: int, index: int) -> dict:
-        e = self.ask(f"op {index} of step {step}", self.p.op, step, index)
-        if not isinstance(e, dict):
-            raise _Lost(f"the prover's op {index} of step {step} is not a JSON object")
-        return e
+        return self.ask(f"op {index} of step {step}", self.p.op, step, index, returns=dict)
 
     def _dispute_step(self, c: SimpleNamespace, step: int, v: Verdict, upto: int | None = None):
         """Phase 3 on ``step``, whose state before is agreed: bisection over the running hash of the two
@@ -671,8 +679,11 @@ class Challenger:
         entries = trace.entries
         if upto is None:
             n_prover = self.ask(f"op count of step {step}", self.p.op_count, step)
-            if not isinstance(n_prover, int):
-                raise _Lost(f"the prover's op count of step {step} is not a number")
+            # a count below 0 would index this side's trace from its end (HttpProver refuses one; a Prover of
+            # another transport may not)
+            if type(n_prover) is not int or n_prover < 0:
+                raise _Lost(f"the prover's op count of step {step} is not a count of operators "
+                            f"({str(n_prover)[:40]})")
             n = min(n_prover, len(entries))
             if n_prover != len(entries):
                 v["reasons"].append(f"step {step}: the prover ran {n_prover} operators, this replay {len(entries)}")
@@ -800,7 +811,7 @@ class Challenger:
             if step != first_step:
                 raise RuntimeError("the challenger only loads the interval's agreed checkpoint")
             if step not in kept:  # checked against the agreed state hash each time it is loaded
-                kept[step] = self.ask(f"checkpoint {step}", self.p.checkpoint, step)
+                kept[step] = self.ask(f"checkpoint {step}", self.p.checkpoint, step, returns=bytes)
             return kept[step]
         return get
 
@@ -811,14 +822,14 @@ class Challenger:
             key = step if micro is None else (step, micro)
             if key not in logs:
                 if micro is None:
-                    raw = self.ask(f"log {step}", self.p.log, step)
+                    raw = self.ask(f"log {step}", self.p.log, step, returns=bytes)
                     want = records[step].get("log_sha256")
                 else:
-                    raw = self.ask(f"log {step} of micro-batch {micro}", self.p.log, step, micro)
+                    raw = self.ask(f"log {step} of micro-batch {micro}", self.p.log, step, micro, returns=bytes)
                     entries = records[step].get("micro_batches")
                     want = entries[micro].get("log_sha256") if isinstance(entries, list) and micro < len(entries) \
                         and isinstance(entries[micro], dict) else None
-                if not isinstance(raw, bytes) or hashlib.sha256(raw).hexdigest() != want:
+                if hashlib.sha256(raw).hexdigest() != want:
                     raise _Lost(f"the prover's rounding log for step {step}"
                                 f"{'' if micro is None else f', micro-batch {micro},'} does not match its committed record")
                 logs[key] = raw

@@ -280,6 +280,59 @@ def test_9_a_prover_sending_fewer_tensor_inputs_than_the_op_takes_loses(doubled_
     assert "tensor inputs for aten._foreach_addcdiv_.ScalarList, which takes" in v["ruling"], v
 
 
+class HostileAnswers(StepSizeProver):
+    """The same trainer's prover, answering one kind of query out of its type or range: a negative op count
+    (with the ops it then names answered from the end of its trace, as Python's negative indices read), a
+    boolean count, Merkle nodes as hex strings. HttpProver refuses such answers itself; the challenger must
+    too, for a Prover of any other transport."""
+
+    def __init__(self, run_dir, lie):
+        super().__init__(run_dir)
+        self.lie = lie
+
+    def op_count(self, step):
+        if step == LR_STEP and self.lie == "negative count":
+            return -3
+        if step == LR_STEP and self.lie == "boolean count":
+            return True
+        return super().op_count(step)
+
+    def op(self, step, index):
+        if step == LR_STEP and index < 1:
+            return self._trace(step).entries[index - 1]
+        return super().op(step, index)
+
+    def node(self, lo, hi):
+        h = super().node(lo, hi)
+        return h.hex() if self.lie == "hex nodes" else h
+
+    def leaf(self, index):
+        return None if self.lie == "no leaf" else super().leaf(index)
+
+
+@pytest.mark.parametrize("lie, reason", [("negative count", "is not a count of operators"),
+                                         ("boolean count", "is not a count of operators"),
+                                         ("hex nodes", "is not bytes but str")])
+def test_answers_out_of_their_type_or_range_lose(doubled_run, lie, reason):
+    """A negative op count had the challenger read its own trace from the end and stop with "the referee
+    cannot rule" (no verdict); hex nodes stopped it with a TypeError. Each must be the prover's loss."""
+    run, audit_state = doubled_run
+    v = Challenger(HostileAnswers(str(run), lie), audit_state).play()
+    assert v["verdict"] == "trainer_wrong", v
+    assert any(reason in r for r in v["reasons"]), v
+
+
+def test_an_answer_that_is_not_a_leaf_loses(doubled_run, tmp_path):
+    """An audit of some intervals asks the prover for their leaves with inclusion proofs: an answer that is not
+    a pair (here None) stopped the challenger with a TypeError."""
+    run, _ = doubled_run
+    rc, _, audit_state = audit(run, tmp_path / "audit", "--intervals", str(LR_STEP // 2))
+    assert rc == 1
+    v = Challenger(HostileAnswers(str(run), "no leaf"), audit_state).play()
+    assert v["verdict"] == "trainer_wrong", v
+    assert any("is not a leaf and its inclusion proof" in r for r in v["reasons"]), v
+
+
 # --- #11: a rounding steered far from any midpoint ----------------------------------------------------------
 
 

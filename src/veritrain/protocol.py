@@ -859,10 +859,10 @@ def play(prover: Prover, audit: dict, root: str | None, policy: Policy, device="
 def _checked_inputs(ch: Challenger, step: int, index: int, mine: dict, theirs: dict, prev_chain: str, out: dict,
                     own_call: bytes):
     """The prover's tensor inputs for op ``index``: its entry must hash into the running hash it answered
-    with (so it binds the inputs, arguments and outputs the bisection compared), name the same op, and
-    the tensors it sends must have the digests it claimed, as many as this side's own call of the op
-    (``own_call``) takes. Returns (that call: func, args, kwargs, random-op index, its tensors; the prover's
-    tensors, each where this side's own is), or a ruling."""
+    with (so it binds the op, arguments, random-op index and outputs the bisection compared; not the input
+    digests, OpTrace.link), name the same op, and the tensors it sends must have the digests its entry
+    claims, as many as this side's own call of the op (``own_call``) takes. Returns (that call: func, args,
+    kwargs, random-op index, its tensors; the prover's tensors, each where this side's own is), or a ruling."""
     def lose(why):
         return {**out, "verdict": "trainer_wrong", "ruling": why}
 

@@ -283,8 +283,8 @@ def test_9_a_prover_sending_fewer_tensor_inputs_than_the_op_takes_loses(doubled_
 class HostileAnswers(StepSizeProver):
     """The same trainer's prover, answering one kind of query out of its type or range: a negative op count
     (with the ops it then names answered from the end of its trace, as Python's negative indices read), a
-    boolean count, Merkle nodes as hex strings. HttpProver refuses such answers itself; the challenger must
-    too, for a Prover of any other transport."""
+    boolean count, Merkle nodes as hex strings, no leaf (None). HttpProver refuses such answers itself; the
+    challenger must too, for a Prover of any other transport."""
 
     def __init__(self, run_dir, lie):
         super().__init__(run_dir)

@@ -380,7 +380,16 @@ class Challenger:
             self.m = prover.manifest()
         except Exception as e:
             raise _Lost(f"the prover did not send its manifest ({e})") from None
-        self.root = bytes.fromhex(root or audit.get("root") or self.m.get("root", ""))
+        if not isinstance(self.m, dict):
+            raise _Lost(f"the prover's manifest is not a JSON object but {type(self.m).__name__}")
+        own_root = root or audit.get("root")  # this side's: a malformed one is its own error
+        try:
+            self.root = bytes.fromhex(own_root or self.m.get("root", ""))
+        except (TypeError, ValueError):
+            if own_root:
+                raise
+            raise _Lost("the prover's manifest names a root that is not a hex hash (and no other root is given)") \
+                from None
         if self.m.get("root") and self.m["root"] != self.root.hex():
             raise _Lost(f"the prover's manifest commits to root {self.m['root'][:16]}…, not the audited "
                         f"root {self.root.hex()[:16]}…")
@@ -871,7 +880,7 @@ def _checked_inputs(ch: Challenger, step: int, index: int, mine: dict, theirs: d
                     f"answered with (an inconsistent answer)")
     if theirs.get("op") != mine["op"]:
         return lose(f"the prover's op {index} is {str(theirs.get('op'))[:80]}, the replay runs {mine['op']}")
-    payload = ch.ask(f"inputs of op {index} of step {step}", ch.p.op_inputs, step, index)
+    payload = ch.ask(f"inputs of op {index} of step {step}", ch.p.op_inputs, step, index, returns=bytes)
     out["referee_bytes"] += len(payload)
     try:
         sent = load_call_tensors(payload)

@@ -26,7 +26,7 @@ from veritrain import store
 from veritrain.commitments import batch_hash
 from veritrain.engine import OpTrace, VerifiedMode, _tensor_digest, dump_call, load_call
 from veritrain.policy import Policy
-from veritrain.protocol import Challenger, LocalProver
+from veritrain.protocol import Challenger, LocalProver, play
 from veritrain.rounding import Grid
 from veritrain.runner import TrainOptions, _prepare_batch, train
 from veritrain.server import HttpProver, make_server
@@ -283,8 +283,8 @@ def test_9_a_prover_sending_fewer_tensor_inputs_than_the_op_takes_loses(doubled_
 class HostileAnswers(StepSizeProver):
     """The same trainer's prover, answering one kind of query out of its type or range: a negative op count
     (with the ops it then names answered from the end of its trace, as Python's negative indices read), a
-    boolean count, Merkle nodes as hex strings, no leaf (None). HttpProver refuses such answers itself; the
-    challenger must too, for a Prover of any other transport."""
+    boolean count, Merkle nodes as hex strings, no leaf, no inputs (None), a manifest that is a list. HttpProver
+    refuses such answers itself; the challenger must too, for a Prover of any other transport."""
 
     def __init__(self, run_dir, lie):
         super().__init__(run_dir)
@@ -309,17 +309,26 @@ class HostileAnswers(StepSizeProver):
     def leaf(self, index):
         return None if self.lie == "no leaf" else super().leaf(index)
 
+    def op_inputs(self, step, index):
+        return None if self.lie == "no inputs" else super().op_inputs(step, index)
+
+    def manifest(self):
+        return list(super().manifest()) if self.lie == "manifest as a list" else super().manifest()
+
 
 @pytest.mark.parametrize("lie, reason", [("negative count", "is not a count of operators"),
                                          ("boolean count", "is not a count of operators"),
-                                         ("hex nodes", "is not bytes but str")])
+                                         ("hex nodes", "is not bytes but str"),
+                                         ("no inputs", "is not bytes but NoneType"),
+                                         ("manifest as a list", "manifest is not a JSON object but list")])
 def test_answers_out_of_their_type_or_range_lose(doubled_run, lie, reason):
     """A negative op count had the challenger read its own trace from the end and stop with "the referee
-    cannot rule" (no verdict); hex nodes stopped it with a TypeError. Each must be the prover's loss."""
+    cannot rule" (no verdict); hex nodes, no inputs for the disputed op and a manifest that is not an object
+    stopped it with a TypeError or AttributeError. Each must be the prover's loss."""
     run, audit_state = doubled_run
-    v = Challenger(HostileAnswers(str(run), lie), audit_state).play()
+    v = play(HostileAnswers(str(run), lie), audit_state, None, Policy())
     assert v["verdict"] == "trainer_wrong", v
-    assert any(reason in r for r in v["reasons"]), v
+    assert any(reason in r for r in v["reasons"]) or reason in v.get("ruling", ""), v
 
 
 def test_an_answer_that_is_not_a_leaf_loses(doubled_run, tmp_path):

@@ -313,7 +313,8 @@ class HostileAnswers(StepSizeProver):
         return None if self.lie == "no inputs" else super().op_inputs(step, index)
 
     def manifest(self):
-        return list(super().manifest()) if self.lie == "manifest as a list" else super().manifest()
+        m = super().manifest()
+        return list(m) if self.lie == "manifest as a list" else {**m, "root": "zz"} if self.lie == "root" else m
 
 
 @pytest.mark.parametrize("lie, reason", [("negative count", "is not a count of operators"),
@@ -329,6 +330,15 @@ def test_answers_out_of_their_type_or_range_lose(doubled_run, lie, reason):
     v = play(HostileAnswers(str(run), lie), audit_state, None, Policy())
     assert v["verdict"] == "trainer_wrong", v
     assert any(reason in r for r in v["reasons"]) or reason in v.get("ruling", ""), v
+
+
+def test_a_manifest_root_that_is_not_hex_loses_where_the_auditor_gives_none(doubled_run):
+    """The root comes from the auditor (--root, its audit's) where it has one; from the prover's manifest only
+    where it has none, and then a root that is not hex is the prover's loss, not a ValueError."""
+    run, audit_state = doubled_run
+    v = play(HostileAnswers(str(run), "root"), {k: x for k, x in audit_state.items() if k != "root"}, None, Policy())
+    assert v["verdict"] == "trainer_wrong", v
+    assert any("names a root that is not a hex hash" in r for r in v["reasons"]), v
 
 
 def test_an_answer_that_is_not_a_leaf_loses(doubled_run, tmp_path):

@@ -321,6 +321,24 @@ def test_the_policy_bounds_and_pins_the_micro_batches():
     for bad in (1, 0, True, "4", 10**6):
         with pytest.raises(PolicyError, match="micro_batches"):
             Policy().admit({**m, "micro_batches": bad}, build=False)
+    one = {k: v for k, v in m.items() if k != "micro_batches"}  # a run of one batch per step names none
+    assert Policy(micro_batches=1).admit(one, build=False).micro_batches == 1
+    with pytest.raises(PolicyError, match="'micro_batches' is 4, the policy requires 1"):
+        Policy(micro_batches=1).admit(m, build=False)
+
+
+def test_a_contract_file_pins_one_micro_batch_where_it_pins_the_config(tmp_path):
+    from veritrain.policy import CONTRACT_FORMAT, Policy
+
+    def contract(**fields):
+        path = tmp_path / f"c{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({"format": CONTRACT_FORMAT, **fields}))
+        return Policy.from_file(str(path))
+
+    assert contract(task="digits-cnn", config={"optimizer": "adamw"}).micro_batches == 1
+    assert contract(task="digits-cnn", config={}, micro_batches=None).micro_batches == 1
+    assert contract(task="digits-cnn", config={}, micro_batches=8).micro_batches == 8
+    assert contract(task="digits-cnn").micro_batches is None  # the config is the run's: so is its batch per step
 
 
 def test_more_processes_than_micro_batches_is_refused_before_anything_is_written(tmp_path):
@@ -371,5 +389,25 @@ def test_a_contract_pins_the_micro_batches(digits_run, tmp_path):
         check=0)
     p = cli("audit", run, "--contract", tmp_path / "c8.json", "--json", "--quiet")
     assert p.returncode == 1 and "'micro_batches' is 4, the policy requires 8" in p.stdout, p.stdout
-    p = cli("contract", "digits-cnn", "--out", tmp_path / "c1.json", "--micro-batches", 1)
-    assert p.returncode == 2 and "micro_batches must be a whole number in 2..4096" in p.stderr
+    p = cli("contract", "digits-cnn", "--out", tmp_path / "c0.json", "--micro-batches", 0)
+    assert p.returncode == 2 and "micro_batches must be a whole number in 1..4096" in p.stderr
+
+
+def test_a_contract_that_pins_the_config_gives_no_micro_batches_unless_it_names_them(digits_run, tmp_path):
+    """The attack: the client pins the config (its batch size) and everything else `veritrain contract`
+    offers, not --micro-batches (which could not pin 1); the trainer trains each step on G = 4 micro-batches,
+    four times the examples the config gives a step, and the audit accepted it."""
+    run, _, _ = digits_run
+    pins = ["--set", "optimizer=adamw", "--steps", STEPS, "--checkpoint-every", EVERY, "--seed", 0]
+    cli("contract", "digits-cnn", "--out", tmp_path / "c.json", *pins, check=0)
+    contract = json.loads((tmp_path / "c.json").read_text())
+    contract.pop("micro_batches")  # a contract written by hand, or by an older veritrain: the config still pins it
+    (tmp_path / "hand.json").write_text(json.dumps(contract))
+    cli("contract", "digits-cnn", "--out", tmp_path / "c1.json", *pins, "--micro-batches", 1)
+    for name in ("c.json", "hand.json", "c1.json"):
+        p = cli("audit", run, "--contract", tmp_path / name, "--json", "--quiet")
+        assert p.returncode == 1 and "'micro_batches' is 4, the policy requires 1" in p.stdout, (name, p.stdout)
+    assert json.loads((tmp_path / "c.json").read_text())["micro_batches"] == 1
+    cli("contract", "digits-cnn", "--out", tmp_path / "c4.json", *pins, "--micro-batches", G, check=0)
+    r = json.loads(cli("audit", run, "--contract", tmp_path / "c4.json", "--json", "--quiet", check=0).stdout)
+    assert r["accepted"] and r["root"] == digits_run[1]["root"]

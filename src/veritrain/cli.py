@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--slack", type=float, help="the auditor's slack (default 2)")
     k.add_argument("--initial-state", help="pin the initial state's hash (fine-tuning from given weights)")
     k.add_argument("--root", help="the root the trainer committed to")
-    k.add_argument("--micro-batches", type=int, help="pin the micro-batches per step of a data-parallel run")
+    k.add_argument("--micro-batches", type=int, help="pin the micro-batches per step of a data-parallel run "
+                                                     "(default 1: one batch per step, no data-parallel run)")
 
     d = sub.add_parser("demo", help="train the digits CNN, audit it on emulated other hardware, print the verdict")
     d.add_argument("--out", help="folder for the demo's runs (default: a new temporary folder)")
@@ -396,7 +397,8 @@ def _contract(args) -> int:
     policy = Policy(task=args.task, task_source_sha256=source_hash(args.task), config={**defaults, **overrides},
                     seed=args.seed, steps=args.steps, checkpoint_every=args.checkpoint_every, bits=args.bits,
                     mode=args.mode, thresholds=thresholds, slack=args.slack if args.slack is not None else 2.0,
-                    initial_state_sha256=args.initial_state, root=args.root, micro_batches=args.micro_batches,
+                    initial_state_sha256=args.initial_state, root=args.root,
+                    micro_batches=1 if args.micro_batches is None else args.micro_batches,
                     source="veritrain contract")
     write_contract(args.out, policy)
     print(f"contract for task {args.task} (source sha256 {policy.task_source_sha256[:16]}…) -> {args.out}")

@@ -21,7 +21,8 @@ slack, initial state — comes from the auditor's own **policy**: a contract the
     initial state        contract's hash, else rebuilt by the auditor     rejected
                          (task built under the engine, runner.py)
     micro_batches        contract (else: the run's, 2..4096; absent       refused
-                         means one micro-batch per step)
+                         means one micro-batch per step); a contract
+                         that pins the config and not this pins 1
 
 docs/SECURITY.md has the threat model this implements.
 """
@@ -94,9 +95,9 @@ class Policy:
                 or not (math.isfinite(self.slack) and 1.0 <= self.slack <= 16.0):
             raise RunError(f"{self.source}: slack must be a number in [1, 16], got {self.slack!r}")
         self.slack = float(self.slack)
-        g = self.micro_batches
-        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or not 2 <= g <= MAX_MICRO_BATCHES):
-            raise RunError(f"{self.source}: micro_batches must be a whole number in 2..{MAX_MICRO_BATCHES}, got {g!r}")
+        g = self.micro_batches  # 1: one micro-batch per step (the run names none)
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_MICRO_BATCHES):
+            raise RunError(f"{self.source}: micro_batches must be a whole number in 1..{MAX_MICRO_BATCHES}, got {g!r}")
         if self.mode is not None and self.mode not in MODES:
             raise RunError(f"{self.source}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
@@ -126,6 +127,10 @@ class Policy:
             if isinstance(v, bool) or not isinstance(v, typ):
                 raise RunError(f"contract {path}: field {k!r} has the wrong type ({type(v).__name__})")
             kwargs[k] = v
+        if "config" in kwargs and "micro_batches" not in kwargs:
+            # the config's batch size is a step's: micro-batches would multiply the examples a step takes, a
+            # choice a contract that pins the config leaves to no one (a run with G of them is another training)
+            kwargs["micro_batches"] = 1
         return cls(**kwargs, source=f"contract {path}")
 
     @classmethod

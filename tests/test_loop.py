@@ -153,6 +153,41 @@ def test_poisoned_weights_recommitted_are_rejected(trained, tmp_path):
     assert any("checkpoint after step 4" in reason for reason in r["reasons"]), r["reasons"]
 
 
+def test_a_loop_run_claiming_micro_batches_is_refused(trained, tmp_path):
+    """The trainer adds micro_batches = 2 to its own loop's manifest and recommits (leaves, root): the loop's
+    audit, whose replay reads one batch per step, accepted the run while `verify` found it inconsistent."""
+    import shutil
+
+    from veritrain import store
+
+    d, script, run = trained
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    m = store.load_manifest(str(bad))
+    m["micro_batches"] = 2
+    store.save_manifest(str(bad), m)
+    recommit(bad)
+    r, p = audit(d, bad)
+    assert p.returncode == 1 and not r["accepted"], r
+    assert any("'micro_batches' is 2" in reason for reason in r["reasons"]), r["reasons"]
+
+
+def test_an_altered_manifest_gets_a_verdict(trained, tmp_path):
+    """A manifest edited without its digest: veritrain.init in the auditor's script raised, and the audit
+    stopped with exit 2 and no verdict (the task path rejects the same folder)."""
+    import shutil
+
+    d, script, run = trained
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["created"] = "yesterday"
+    (bad / "manifest.json").write_text(json.dumps(m))
+    r, p = audit(d, bad)
+    assert p.returncode == 1 and r["refused"] and not r["accepted"], r
+    assert any("manifest.json is altered" in reason for reason in r["reasons"]), r["reasons"]
+
+
 def test_a_killed_loop_resumes_to_the_same_root(trained, tmp_path):
     d, script, run = trained
     p = python(script, tmp_path / "run", env={"CRASH_AT": "6"}, cwd=d)

@@ -128,12 +128,11 @@ def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
     if game and mode == "verified":
         reader = _game_init_log(game, rec.bits)
     elif run_dir and mode == "verified":
-        m = store.load_manifest(run_dir)
-        if m.get("init_log_sha256"):
-            try:
-                reader = _init_log_reader(run_dir, m)
-            except RunRejected as e:
-                _refuse(str(e))
+        try:
+            m = store.load_manifest(run_dir)
+            reader = _init_log_reader(run_dir, m) if m.get("init_log_sha256") else None
+        except RunRejected as e:  # an altered manifest or log: a verdict, as on the task path
+            _refuse(str(e))
     elif mode == "verified":
         fd, rec.log_path = tempfile.mkstemp(prefix="veritrain-init-", suffix=".vtlog")
         os.close(fd)
@@ -236,6 +235,9 @@ class Run:
             if m.get(name) != want:
                 raise PolicyError(f"the run's manifest: field {name!r} is {str(m.get(name))[:200]!r}, this script's "
                                   f"is {str(want)[:200]!r} (run the trainer's script with its settings)")
+        if "micro_batches" in m:  # an own loop trains one batch per step in one process; its replay reads no more
+            raise PolicyError(f"the run's manifest: field 'micro_batches' is {m['micro_batches']!r:.40}, but "
+                              f"an own loop's run has one batch per step (no micro-batches)")
 
     def _yielded(self, step, batch):
         self._pending, self._done = (step, batch), None

@@ -379,6 +379,14 @@ def load_manifest(run_dir: str, check_digest: bool = True) -> dict:
         if isinstance(g, bool) or not isinstance(g, int) or not 2 <= g <= MAX_MICRO_BATCHES:
             raise RunRejected(f"{p}: field 'micro_batches' is {str(g)[:40]!r}, not a whole number in "
                               f"2..{MAX_MICRO_BATCHES} (a run of one micro-batch per step has no such field)")
+    leaves = m.get("leaves", [])
+    if not isinstance(leaves, list):
+        raise RunRejected(f"{p}: field 'leaves' is not a list")
+    for i, x in enumerate(leaves):  # each the hex of a leaf's data (parse_leaf), as the trainer wrote them
+        try:
+            parse_leaf(bytes.fromhex(x))
+        except (TypeError, ValueError) as e:  # RunError is a ValueError
+            raise RunRejected(f"{p}: leaf {i} is not a leaf's data in hex ({str(e):.100})") from None
     for c in m["checkpoints"]:
         if not (isinstance(c, dict) and isinstance(c.get("step"), int) and not isinstance(c.get("step"), bool)
                 and c["step"] >= 0 and isinstance(c.get("file"), str) and isinstance(c.get("state_sha256"), str)):

@@ -166,6 +166,23 @@ def test_a_task_run_committing_to_no_init_log_is_refused_by_the_audit(run):
     assert "init.vtlog" in out + err
 
 
+@pytest.mark.parametrize("leaves", [["zz"], [5], "ab" * 8, {"0": "00"}, "cut short"],
+                         ids=["not hex", "numbers", "a string", "an object", "cut short"])
+def test_leaves_that_are_not_leaves_are_refused_with_a_verdict(run, leaves):
+    """The manifest's leaves as text that is not hex, numbers, a string, an object, or leaves cut short with the
+    root recomputed over them: the audit raised a TypeError (a traceback, no verdict) or stopped with exit 2, as
+    for input the auditor cannot use; the manifest is the trainer's, so the run is rejected, naming it."""
+    m = store.load_manifest(str(run))
+    if leaves == "cut short":
+        cut = [bytes.fromhex(x)[:40] for x in m["leaves"]]
+        m["leaves"], m["root"] = [x.hex() for x in cut], store.tree_of(cut).root().hex()
+    else:
+        m["leaves"] = leaves
+    store.save_manifest(str(run), m)
+    assert_audit_refuses(run, store.MANIFEST)
+    assert_verify_names(run, store.MANIFEST, "leaf", "leaves")
+
+
 # --- (b) a log that is a symlink to /dev/zero ---------------------------------------------------
 
 

@@ -479,6 +479,13 @@ class Challenger:
                 return i
         return None
 
+    def state_after(self, step: int) -> str:
+        """The prover's state hash after ``step``: 64 hex digits, compared with this side's own."""
+        h = self.ask(f"state after step {step}", self.p.state_after, step, returns=str)
+        if not _is_digest(h):
+            raise _Lost(f"the prover's state after step {step} is not a SHA-256 hex digest ({h[:80]!r})")
+        return h
+
     def leaf(self, i: int) -> bytes:
         answer = self.ask(f"leaf {i}", self.p.leaf, i)
         try:
@@ -626,12 +633,15 @@ class Challenger:
             v["reasons"].append(f"step {s}: the trainer's data record differs from what the task's "
                                 f"{self._batches_of(s)} yields (it trained on other data than it claims)")
             v["data_step"] = s
-        if a == b:
+        if a == b:  # a 0-step run: its one leaf must commit to the initial state, which nothing changes
+            if c.info["state_sha256"] != c.start:
+                raise _Lost(f"interval {i} has no steps, yet its leaf commits to the state "
+                            f"{c.info['state_sha256'][:16]}…, not to the run's initial state {str(c.start)[:16]}…")
             v["verdict"] = "auditor_wrong"
             v["reasons"].append(f"interval {i} has no steps: its leaf commits to the agreed initial state")
             return
         # phase 2: the first step whose state differs
-        last = self.ask(f"state after step {b - 1}", self.p.state_after, b - 1)
+        last = self.state_after(b - 1)
         if last != c.info["state_sha256"]:
             raise _Lost(f"the prover's replay of step {b - 1} ends in {str(last)[:16]}…, its leaf commits to "
                         f"{c.info['state_sha256'][:16]}…")
@@ -666,7 +676,7 @@ class Challenger:
         interval's checkpoint), the one after ``hi`` disputed. ``log2`` queries."""
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.ask(f"state after step {mid}", self.p.state_after, mid) == c.states[mid]:
+            if self.state_after(mid) == c.states[mid]:
                 lo = mid
             else:
                 hi = mid
@@ -792,7 +802,7 @@ class Challenger:
         s, k = claim["step"], claim["op_index"]
         c = self._replay_interval(s // self.run.checkpoint_every)
         if s > c.a:  # the state before the step must be agreed; if not, the dispute is about an earlier step
-            theirs = self.ask(f"state after step {s - 1}", self.p.state_after, s - 1)
+            theirs = self.state_after(s - 1)
             if theirs != c.states[s - 1]:
                 t = self._first_disputed_step(c, c.a - 1, s - 1)
                 w.update(step=t, verdict="trainer_wrong")
@@ -875,7 +885,8 @@ def _checked_inputs(ch: Challenger, step: int, index: int, mine: dict, theirs: d
     def lose(why):
         return {**out, "verdict": "trainer_wrong", "ruling": why}
 
-    if OpTrace.link(prev_chain, theirs) != theirs.get("chain"):
+    link = OpTrace.link(prev_chain, theirs)
+    if not _is_digest(link) or link != theirs.get("chain"):  # an entry that cannot be hashed binds nothing
         return lose(f"the prover's entry for op {index} of step {step} does not hash to the running hash it "
                     f"answered with (an inconsistent answer)")
     if theirs.get("op") != mine["op"]:
@@ -1053,6 +1064,11 @@ class _OneRecord:
 
     def close(self):
         pass
+
+
+def _is_digest(h) -> bool:
+    """A SHA-256 digest as hexdigest() writes it (64 lowercase hex digits): what a state or running hash is."""
+    return isinstance(h, str) and len(h) == 64 and all(ch in "0123456789abcdef" for ch in h)
 
 
 def _digest(t: torch.Tensor) -> str:

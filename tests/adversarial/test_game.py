@@ -316,12 +316,27 @@ class HostileAnswers(StepSizeProver):
         m = super().manifest()
         return list(m) if self.lie == "manifest as a list" else {**m, "root": "zz"} if self.lie == "root" else m
 
+    def state_after(self, step):
+        h = super().state_after(step)
+        return h.encode() if self.lie == "state as bytes" else "zz" * 32 if self.lie == "state not a digest" else h
+
+
+class UnhashableEntry(ShortInputsProver):
+    """The same trainer's prover, answering the disputed op with an entry that cannot be hashed (a random-op index
+    that is NaN) and the running hash "" that OpTrace.link gives such an entry: an answer that binds nothing."""
+
+    def op(self, step, index):
+        entry = StepSizeProver.op(self, step, index)
+        return {**entry, "random_index": math.nan, "chain": ""} if self._disputed(step, index) else entry
+
 
 @pytest.mark.parametrize("lie, reason", [("negative count", "is not a count of operators"),
                                          ("boolean count", "is not a count of operators"),
                                          ("hex nodes", "is not bytes but str"),
                                          ("no inputs", "is not bytes but NoneType"),
-                                         ("manifest as a list", "manifest is not a JSON object but list")])
+                                         ("manifest as a list", "manifest is not a JSON object but list"),
+                                         ("state as bytes", "is not str but bytes"),
+                                         ("state not a digest", "is not a SHA-256 hex digest")])
 def test_answers_out_of_their_type_or_range_lose(doubled_run, lie, reason):
     """A negative op count had the challenger read its own trace from the end and stop with "the referee
     cannot rule" (no verdict); hex nodes, no inputs for the disputed op and a manifest that is not an object
@@ -330,6 +345,39 @@ def test_answers_out_of_their_type_or_range_lose(doubled_run, lie, reason):
     v = play(HostileAnswers(str(run), lie), audit_state, None, Policy())
     assert v["verdict"] == "trainer_wrong", v
     assert any(reason in r for r in v["reasons"]) or reason in v.get("ruling", ""), v
+
+
+def test_an_entry_that_binds_nothing_loses_before_the_referee_recomputes(doubled_run):
+    """OpTrace.link gives "" for an entry it cannot hash; a prover answering that as its running hash passed the
+    check that the entry hashes into it, and only the referee's own recompute caught the lie."""
+    run, audit_state = doubled_run
+    v = Challenger(UnhashableEntry(str(run)), audit_state).play()
+    assert v["verdict"] == "trainer_wrong" and v["referee_ops"] == 0, v
+    assert "does not hash to the running hash it answered with" in v["ruling"], v
+
+
+def test_a_zero_step_run_whose_leaf_commits_to_another_state_loses(tmp_path):
+    """A 0-step run whose one leaf commits to a state other than its initial state (the trainer's checkpoint
+    entry, recommitted): the audit rejected it, but the game ruled `auditor_wrong`, "interval 0 has no steps:
+    its leaf commits to the agreed initial state", without comparing the two. An auditor whose own leaf is
+    wrong, for the honest run, still loses."""
+    import hashlib
+
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=0, checkpoint_every=1, progress=False))
+    _, honest_state = audit(run, tmp_path / "honest")[1:]
+    wrong_leaf = {**honest_state, "leaves": {"0": "00" * 32}}
+    v = Challenger(LocalProver(str(run)), wrong_leaf).play()
+    assert v["verdict"] == "auditor_wrong", v
+    m = store.load_manifest(str(run))
+    m["checkpoints"][0]["state_sha256"] = hashlib.sha256(b"a model the trainer wants certified").hexdigest()
+    store.save_manifest(str(run), m)
+    recommit(run)
+    rc, result, audit_state = audit(run, tmp_path / "audit")
+    assert rc == 1 and any("checkpoint after step 0" in r for r in result["reasons"]), result["reasons"]
+    v = Challenger(LocalProver(str(run)), audit_state).play()
+    assert v["verdict"] == "trainer_wrong", v
+    assert any("has no steps, yet its leaf commits to the state" in r for r in v["reasons"]), v
 
 
 def test_a_manifest_root_that_is_not_hex_loses_where_the_auditor_gives_none(doubled_run):

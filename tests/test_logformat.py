@@ -86,7 +86,8 @@ def op_records(draw):
     ops = []
     for _ in range(draw(st.integers(0, 6))):
         name = draw(st.sampled_from(["aten.mm.default", "aten.add_.Tensor", "aten._softmax.default", "op/ü"]))
-        scalars = draw(st.lists(st.tuples(st.integers(0, 20), st.booleans()), max_size=3))
+        entries = st.lists(st.tuples(st.integers(0, 20), st.booleans()), max_size=3, unique_by=lambda e: e[0])
+        scalars = sorted(draw(entries))  # one entry per argument, in order (docs/FORMAT.md)
         outs = []
         for _ in range(draw(st.integers(0, 3))):
             shape = tuple(draw(st.lists(st.integers(1, 6), max_size=3)))
@@ -128,7 +129,8 @@ def quiet_records(draw):
     out = []
     for _ in range(draw(st.integers(1, 6))):
         name = draw(st.sampled_from(["aten.mean.dim", "aten.rsqrt.default", "aten.add.Tensor", "op/ü"]))
-        scalars = draw(st.lists(st.tuples(st.integers(0, 200), st.booleans()), max_size=3))
+        entries = st.lists(st.tuples(st.integers(0, 200), st.booleans()), max_size=3, unique_by=lambda e: e[0])
+        scalars = sorted(draw(entries))  # one entry per argument, in order (docs/FORMAT.md)
         shapes = [tuple(draw(st.lists(st.integers(1, 300), max_size=3))) for _ in range(draw(st.integers(0, 3)))]
         out.append((name, scalars, shapes, sum(int(np.prod(s)) for s in shapes)))
     return out

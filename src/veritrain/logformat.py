@@ -206,7 +206,11 @@ def gaps_to_positions(gaps: np.ndarray) -> np.ndarray:
 def _op_head(nid: int, scalars) -> bytes:
     """An OP record up to its outputs: tag, name id, scalar entries."""
     parts = [_O, _varint(nid), _varint(len(scalars))]
+    last = -1
     for pos, bit in scalars:
+        if pos <= last:  # the format's rule, which a reader enforces
+            raise ValueError(f"scalar entries must name strictly increasing argument positions ({pos} after {last})")
+        last = pos
         parts.append(_varint(pos) + (b"\x01" if bit else b"\x00"))
     return b"".join(parts)
 
@@ -518,6 +522,9 @@ class StepLogReader:
             bit = self._read(1)[0]
             if bit > 1:
                 raise LogFormatError(f"{self.source}: scalar direction must be 0 or 1")
+            if scalars and pos <= scalars[-1][0]:  # one entry per argument: a second one would go unchecked
+                raise LogFormatError(f"{self.source}: scalar entries must name strictly increasing argument "
+                                     f"positions ({pos} after {scalars[-1][0]})")
             scalars.append((pos, bool(bit)))
         n_out = self._varint()
         if n_out > MAX_OUTPUTS:

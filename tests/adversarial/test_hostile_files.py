@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from conftest import cli, recommit
 from veritrain import store
 from veritrain.commitments import canonical_json
-from veritrain.logformat import MAGIC, LogFormatError, StepLogReader, _varint, positions_to_gaps, read_records
+from veritrain.logformat import (MAGIC, LogFormatError, StepLogReader, StepLogWriter, _varint, positions_to_gaps,
+                                 read_records)
 from veritrain.store import MANIFEST, RunError, ckpt_name, log_name, record_name
 
 STEPS = 2
@@ -244,6 +245,24 @@ def test_positions_wrapping_past_2_63_are_malformed(run):
     recommit(run)
     assert_verify_names(run, log_name(step), "malformed")
     assert_audit_refuses(run, log_name(step))
+
+
+def test_a_second_scalar_entry_for_one_argument_is_malformed(run):
+    """An honest scalar entry with a forged one for the same argument before it: the replay kept the last
+    (the honest one) and never looked at the other, so the audit accepted a log that holds an entry nothing
+    checked. The format allows one entry per argument, positions strictly increasing."""
+    step = 1
+    path = run / log_name(step)
+    s, bits, ops = read_records(str(path))
+    op = next(op for op in ops if op.scalars)  # a Python float near a float32 midpoint (digits-cnn has one)
+    pos, bit = op.scalars[0]
+    op.scalars.insert(0, (pos, not bit))
+    path.write_bytes(encode_log(s, bits, ops))
+    recommit(run)
+    assert_verify_names(run, log_name(step), "malformed")
+    assert_audit_refuses(run, log_name(step))
+    with pytest.raises(ValueError, match="strictly increasing"):  # and our writer cannot write one
+        StepLogWriter(str(run / "other.vtlog"), step, bits).op(op.name, op.scalars, op.outputs, 0)
 
 
 # --- (d) a 1 KB log that declares huge blocks ---------------------------------------------------

@@ -64,7 +64,13 @@ def recommit(run_dir):
             rec = json.loads(open(rp, "rb").read())
             lp = os.path.join(run_dir, store.log_name(s))
             log_sha = store.file_sha256(lp) if os.path.exists(lp) else None
-            raw = store.record_bytes(s, rec["batch_sha256"], rec["batch_indices"], rec["loss"], log_sha)
+            if "micro_batches" in rec:  # a data-parallel step: each micro-batch's log hash, then the step's
+                for g, micro in enumerate(rec["micro_batches"]):
+                    mp = os.path.join(run_dir, store.micro_log_name(s, g))
+                    micro["log_sha256"] = store.file_sha256(mp) if os.path.exists(mp) else None
+                raw = store.parallel_record_bytes(s, rec["micro_batches"], rec["loss"], log_sha)
+            else:
+                raw = store.record_bytes(s, rec["batch_sha256"], rec["batch_indices"], rec["loss"], log_sha)
             store.write_bytes_atomic(rp, raw)
             hashes.append(hashlib.sha256(raw).hexdigest())
         leaves.append(store.leaf_data(i, a, b, run_sha, store.committed_state(m, b), hashes))

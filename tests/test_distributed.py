@@ -140,7 +140,7 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
-from conftest import REPO, audit_json, cli  # noqa: E402
+from conftest import REPO, audit_json, cli, recommit  # noqa: E402
 
 TASKS = os.path.join(REPO, "tests", "tasks")
 ENV = {"PYTHONPATH": TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -260,6 +260,56 @@ def test_a_prover_that_serves_another_micro_batch_log_loses(poisoned):
     assert any("micro-batch 3, does not match its committed record" in r for r in v["reasons"]), v
 
 
+def test_a_suspicious_entry_in_a_micro_batch_is_ruled_with_its_micro_batch(tmp_path):
+    """The trainer steers one rounding of micro-batch 1's forward at step 1 far from any midpoint and logs it
+    as a direction entry: every hash matches and the audit rejects only for that entry; the game confirms it
+    and names the micro-batch, as it does for a disputed op (the verdict left `micro_batch` out)."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from veritrain.engine import TrainerHalf, _EagerSlot
+    from veritrain.protocol import Challenger, LocalProver
+    from veritrain.rounding import Grid
+    from veritrain.runner import TrainOptions, train
+
+    grid, orig, steered = Grid(32), TrainerHalf.record, {}
+
+    def record(self, slot, c):
+        e = orig(self, slot, c)
+        if self.mode.step == 1 and self.mode.domain == "micro/1" and self.mode.op_index >= 5 and not steered \
+                and isinstance(slot, _EagerSlot) and math.prod(slot.shape) >= 64:
+            flat, y32 = slot.values_at(torch.arange(math.prod(slot.shape))), slot.y32.view(-1)
+            taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
+            far = [p for p in (grid.midpoint_distance(flat) > grid.spacing_at(flat) / 4).nonzero().flatten().tolist()
+                   if p not in taken]
+            if far:
+                p = far[len(far) // 2]
+                away = not bool(y32[p].double().abs() > flat[p].abs())
+                y32[p] = grid.apply_direction(flat[p:p + 1], torch.tensor([away]))[0]
+                pos = np.append(e.dir_pos, p)
+                order = np.argsort(pos)
+                e.dir_pos, e.dir_bits = pos[order], np.append(e.dir_bits, away)[order]
+                steered.update(position=p)
+        return e
+
+    run = tmp_path / "run"
+    TrainerHalf.record = record
+    try:
+        train(TrainOptions(task="digits-cnn", out=str(run), steps=2, checkpoint_every=2, progress=False,
+                           micro_batches=2))
+    finally:
+        TrainerHalf.record = orig
+    assert steered, "found nothing to steer"
+    p = cli("audit", run, "--out", tmp_path / "audit", "--json", "--quiet")
+    r = json.loads(p.stdout)
+    assert p.returncode == 1 and r["suspicious"] == 1 and all(c["match"] for c in r["checkpoints"]), r
+    v = Challenger(LocalProver(str(run)), json.loads((tmp_path / "audit" / "audit.json").read_text())).play()
+    assert v["verdict"] == "trainer_wrong" and "suspicious" in v["ruling"], v
+    assert (v["step"], v["micro_batch"]) == (1, 1), v
+
+
 def test_a_killed_rank_then_resume_gives_the_uninterrupted_root(tmp_path):
     task = "killed_digits:make_task"
     # rank 1 dies computing micro-batch 2 of step 2 (after the checkpoint of step 2 was committed)
@@ -280,6 +330,20 @@ def _dp_copy(run, tmp_path):
     dst = tmp_path / "copy"
     shutil.copytree(run, dst)
     return dst
+
+
+def test_a_malformed_micro_batch_log_is_named(digits_run, tmp_path):
+    """A micro-batch log cut short and recommitted (its hash in the step's record): the audit's reason named
+    neither the file nor the micro-batch ("<bytes>: truncated ...")."""
+    run, _, _ = digits_run
+    bad = _dp_copy(run, tmp_path)
+    name = bad / "logs" / "step_00000001.micro_00002.vtlog"
+    name.write_bytes(name.read_bytes()[:-9])
+    recommit(bad)
+    assert cli("verify", bad).returncode == 1  # verify reads the log too: malformed
+    r = audit_json(bad, "isa-default")
+    assert not r["accepted"]
+    assert any("step_00000001.micro_00002.vtlog" in x and "<bytes>" not in x for x in r["reasons"]), r["reasons"]
 
 
 @pytest.mark.parametrize("value", [2, 1, "4", 10**9, None])

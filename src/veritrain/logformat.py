@@ -366,7 +366,9 @@ class StepLogReader:
 
     CHUNK = 128  # compressed bytes per feed: bounds what one zstd call can inflate (a few MB)
 
-    def __init__(self, path_or_bytes, expect_step: int | None = None, expect_bits: int | None = None):
+    def __init__(self, path_or_bytes, expect_step: int | None = None, expect_bits: int | None = None,
+                 source: str | None = None):
+        """``source``: the name errors give the log (default: its path, else "<bytes>" or the stream's path)."""
         if isinstance(path_or_bytes, str):
             self.source = path_or_bytes
             try:
@@ -379,6 +381,7 @@ class StepLogReader:
         else:
             self.source = getattr(path_or_bytes, "path", "<stream>")
             self._file = path_or_bytes
+        self.source = source or self.source
         self._in = self._out = 0
         magic = self._file.read(len(MAGIC))
         self._in += len(magic)

@@ -819,6 +819,8 @@ class Challenger:
             w["ruling"] = f"op #{k} of step {s} is {mine['op']}, not {claim['op']}"
             return
         w.update(operator=mine["op"], operator_index=k, module=mine.get("where"))
+        if self.run.micro_batches > 1:  # as for a disputed op: the part of the step the entry lies in
+            w["micro_batch"] = parallel.part_of(mine.get("part", ""))
         prev = trace.entries[k - 2]["chain"] if k > 1 else ""
         self._apply(w, referee_suspicious(self, c.rep, s, k, mine, answers[k], _part_log(c, s, mine), trace.captured,
                                           prev, claim))

@@ -962,7 +962,7 @@ class IntervalReplay:
                 self.out["reasons"].append(f"step {step}: {os.path.join(self.run_dir, name)} is not the log the "
                                            f"trainer committed to (altered, truncated or replaced)")
                 return False, None
-            logs.raw[g] = raw
+            logs.raw[g], logs.names[g] = raw, os.path.join(self.run_dir, name)
         return True, logs
 
     def close_step(self, step, stats, batch, indices, loss):
@@ -1021,12 +1021,12 @@ class _ReplayLogs(parallel.PartLogs):
     """The committed logs of one data-parallel step, for its replay: micro-batch g's and the update's."""
 
     def __init__(self, step, bits, update_reader):
-        self.step, self.bits, self.update_reader, self.raw = step, bits, update_reader, {}
+        self.step, self.bits, self.update_reader, self.raw, self.names = step, bits, update_reader, {}, {}
 
     def reader(self, part):
         if part is None:
             return self.update_reader
-        return StepLogReader(self.raw[part], expect_step=self.step, expect_bits=self.bits)
+        return StepLogReader(self.raw[part], expect_step=self.step, expect_bits=self.bits, source=self.names[part])
 
     def sha256(self, part):
         return hashlib.sha256(self.raw[part]).hexdigest()

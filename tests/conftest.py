@@ -80,6 +80,29 @@ def recommit(run_dir):
     return m["root"]
 
 
+def flip_far_rounding(entries, slot, values, grid):
+    """The dishonest trainer's steered rounding: one value of an op's output ``slot`` (``values``: its float64
+    results, flat) far from any rounding midpoint and without an honest entry, rounded the other way and logged
+    as a direction entry in ``entries`` (the trainer's record of it). Returns its position, or None where there
+    is no such value."""
+    import numpy as np
+    import torch
+
+    y32 = slot.y32.view(-1)
+    taken = set(entries.dir_pos.tolist()) | set(entries.val_pos.tolist())
+    far = [p for p in (grid.midpoint_distance(values) > grid.spacing_at(values) / 4).nonzero().flatten().tolist()
+           if p not in taken]
+    if not far:
+        return None
+    p = far[len(far) // 2]
+    away = not bool(y32[p].double().abs() > values[p].abs())
+    y32[p] = grid.apply_direction(values[p:p + 1], torch.tensor([away]))[0]
+    pos = np.append(entries.dir_pos, p)
+    order = np.argsort(pos)
+    entries.dir_pos, entries.dir_bits = pos[order], np.append(entries.dir_bits, away)[order]
+    return p
+
+
 def forge_wrong_directions(log, forged, targets, y64, tau):
     """A dishonest trainer's one-op log: ``log``'s record with direction entries added at flat positions
     ``targets`` that round the float64 results ``y64`` the wrong way (against their natural rounding given

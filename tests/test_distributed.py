@@ -140,7 +140,7 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
-from conftest import REPO, audit_json, cli, recommit  # noqa: E402
+from conftest import REPO, audit_json, cli, flip_far_rounding, recommit  # noqa: E402
 
 TASKS = os.path.join(REPO, "tests", "tasks")
 ENV = {"PYTHONPATH": TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -266,7 +266,6 @@ def test_a_suspicious_entry_in_a_micro_batch_is_ruled_with_its_micro_batch(tmp_p
     and names the micro-batch, as it does for a disputed op (the verdict left `micro_batch` out)."""
     import math
 
-    import numpy as np
     import torch
 
     from veritrain.engine import TrainerHalf, _EagerSlot
@@ -280,17 +279,8 @@ def test_a_suspicious_entry_in_a_micro_batch_is_ruled_with_its_micro_batch(tmp_p
         e = orig(self, slot, c)
         if self.mode.step == 1 and self.mode.domain == "micro/1" and self.mode.op_index >= 5 and not steered \
                 and isinstance(slot, _EagerSlot) and math.prod(slot.shape) >= 64:
-            flat, y32 = slot.values_at(torch.arange(math.prod(slot.shape))), slot.y32.view(-1)
-            taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
-            far = [p for p in (grid.midpoint_distance(flat) > grid.spacing_at(flat) / 4).nonzero().flatten().tolist()
-                   if p not in taken]
-            if far:
-                p = far[len(far) // 2]
-                away = not bool(y32[p].double().abs() > flat[p].abs())
-                y32[p] = grid.apply_direction(flat[p:p + 1], torch.tensor([away]))[0]
-                pos = np.append(e.dir_pos, p)
-                order = np.argsort(pos)
-                e.dir_pos, e.dir_bits = pos[order], np.append(e.dir_bits, away)[order]
+            p = flip_far_rounding(e, slot, slot.values_at(torch.arange(math.prod(slot.shape))), grid)
+            if p is not None:
                 steered.update(position=p)
         return e
 

@@ -5,9 +5,8 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import audit_json, cli, recommit
+from conftest import audit_json, cli, flip_far_rounding, recommit
 from veritrain.logformat import read_records, write_records
 from veritrain.rounding import Grid
 from veritrain.runner import TrainOptions, log_name, train
@@ -77,18 +76,8 @@ def steered_run(tmp_path, monkeypatch):
     def record(self, slot, c):
         e = orig(self, slot, c)
         if self.mode.step == STEP and not steered and isinstance(slot, _EagerSlot) and slot.y64.numel() >= 64:
-            flat = slot.y64.reshape(-1)
-            y32 = slot.y32.view(-1)
-            taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
-            far = [p for p in (grid.midpoint_distance(flat) > grid.spacing_at(flat) / 4).nonzero().flatten().tolist()
-                   if p not in taken]
-            if far:
-                p = far[len(far) // 2]
-                away = not bool(y32[p].double().abs() > flat[p].abs())
-                y32[p] = grid.apply_direction(flat[p:p + 1], torch.tensor([away]))[0]
-                pos = np.append(e.dir_pos, p)
-                order = np.argsort(pos)
-                e.dir_pos, e.dir_bits = pos[order], np.append(e.dir_bits, away)[order]
+            p = flip_far_rounding(e, slot, slot.y64.reshape(-1), grid)
+            if p is not None:
                 steered.update(op=str(slot.analysis.call.func), position=p)
         return e
 

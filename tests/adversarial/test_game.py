@@ -17,11 +17,10 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, cli, recommit
+from conftest import REPO, cli, flip_far_rounding, recommit
 from veritrain import store
 from veritrain.commitments import batch_hash
 from veritrain.engine import OpTrace, VerifiedMode, _tensor_digest, dump_call, load_call
@@ -420,18 +419,8 @@ def test_11_a_suspicious_entry_is_disputed_and_ruled_against_the_trainer(tmp_pat
         if self.mode.step == STEER_STEP and not steered and isinstance(whole, _EagerSlot) \
                 and math.prod(slot.shape) >= 64 \
                 and str(whole.analysis.call.func) in ("aten.addcdiv.default", "aten._foreach_addcdiv.ScalarList"):
-            flat = slot.values_at(torch.arange(math.prod(slot.shape)))
-            y32 = slot.y32.view(-1)
-            taken = set(e.dir_pos.tolist()) | set(e.val_pos.tolist())
-            far = [p for p in (grid.midpoint_distance(flat) > grid.spacing_at(flat) / 4).nonzero().flatten().tolist()
-                   if p not in taken]
-            if far:
-                p = far[len(far) // 2]
-                away = not bool(y32[p].double().abs() > flat[p].abs())
-                y32[p] = grid.apply_direction(flat[p:p + 1], torch.tensor([away]))[0]
-                pos = np.append(e.dir_pos, p)
-                order = np.argsort(pos)
-                e.dir_pos, e.dir_bits = pos[order], np.append(e.dir_bits, away)[order]
+            p = flip_far_rounding(e, slot, slot.values_at(torch.arange(math.prod(slot.shape))), grid)
+            if p is not None:
                 steered.update(op=str(whole.analysis.call.func), position=p, op_index=self.mode.op_index)
         return e
 

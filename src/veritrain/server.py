@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import socket
 import threading
 import time
@@ -103,6 +104,9 @@ class HttpProver(Prover):
     def __init__(self, url: str, timeout: float = 120.0):
         self.url = url.rstrip("/")
         self.timeout = float(timeout)
+        if not (math.isfinite(self.timeout) and 0 < self.timeout <= threading.TIMEOUT_MAX):
+            # the auditor's own setting: a bad one is its error, not the prover's loss
+            raise ValueError(f"the prover's timeout must be a positive number of seconds, got {timeout!r}")
         u = urllib.parse.urlsplit(self.url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ProverError(f"{url}: expected http://HOST:PORT")
@@ -131,6 +135,11 @@ class HttpProver(Prover):
         try:
             conn.request("GET", f"{base}/{route}?{urllib.parse.urlencode(params)}", headers={"Connection": "close"})
             r = conn.getresponse()
+            if r.getheader("Transfer-Encoding") is not None:
+                # http.client reads a chunk of negative size to the end of the stream, past every cap here;
+                # veritrain serve always sends Content-Length, so a transfer coding is refused unread
+                raise ProverError(f"/{route}: the answer has a Transfer-Encoding, which this challenger does not "
+                                  f"read (a prover sends Content-Length)")
             if r.status != 200:
                 try:
                     msg = json.loads(r.read(1 << 16)).get("error", "")
@@ -164,8 +173,9 @@ class HttpProver(Prover):
             conn.close()
 
     def _json(self, route, **params):
+        raw = self._get(route, **params)  # its own failures keep their reasons
         try:
-            return json.loads(self._get(route, **params))
+            return json.loads(raw)
         except (ValueError, RecursionError):
             raise ProverError(f"/{route}: the answer is not JSON") from None
 

@@ -285,12 +285,12 @@ def _main(argv: list[str] | None = None) -> int:
             # the run is altered, malformed or outside the auditor's policy: a rejection, exit 1
             if getattr(args, "json", False):
                 print(json.dumps({"accepted": False, "refused": True, "reasons": [str(e)]}, indent=1, sort_keys=True))
-            print(f"veritrain: REJECT: {e}", file=sys.stderr)
+            print(f"veritrain: REJECT: {shown(e)}", file=sys.stderr)
             return 1
 
         if isinstance(e, (RunError, TaskError, CheckpointError, LogFormatError, VeritrainError, ValueError, OSError,
                           FileNotFoundError, PermissionError)):
-            print(f"veritrain: error: {e}", file=sys.stderr)
+            print(f"veritrain: error: {shown(e)}", file=sys.stderr)
             return 2
         from . import parallel
 
@@ -426,9 +426,9 @@ def _verify(args) -> int:
         print(f"{args.run_dir}: {r.steps} steps{'' if r.complete else ' (INCOMPLETE)'}, {r.intervals} "
               f"intervals, root {r.root}")
         for p in r.problems:
-            print(f"  {p['file']}: {p['problem']}")
+            print(f"  {shown(p['file'])}: {shown(p['problem'])}")
         if r.unverified:
-            print(f"  not covered by the root (the trainer's unverified claims): {', '.join(sorted(r.unverified))}")
+            print(f"  not covered by the root (the trainer's unverified claims): {shown(', '.join(sorted(r.unverified)))}")
         print("consistent" if r.ok else f"NOT consistent: {len(r.problems)} problem(s)")
     return 0 if r.ok else 1
 
@@ -446,7 +446,7 @@ def _inspect(args) -> int:
               f"{r['steps']}, corrections {r['corrections_total']} ({', '.join(f'{k} {v}' for k, v in r['corrections'].items())}), "
               f"suspicious entries {r['suspicious']}")
         return 0
-    print(f"run {args.run_dir}: task {r['task']}, mode {r['mode']}, b={r['bits']}, {r['steps']} steps, "
+    print(f"run {args.run_dir}: task {shown(r['task'])}, mode {shown(r['mode'])}, b={r['bits']}, {r['steps']} steps, "
           f"{r['intervals']} intervals, "
           f"{'complete' if r['complete'] else 'INCOMPLETE (%s of %s steps)' % (r['steps'], r['steps_planned'])}")
     print(f"  root {r['root']}")
@@ -487,6 +487,14 @@ def _serve(args) -> int:
     return 0
 
 
+def shown(text) -> str:
+    """``text`` as one printable line: a trainer's or prover's strings reach the terminal in reasons, rulings and
+    problems, and a newline or an ANSI escape in them could forge or erase lines of the verdict. Control and
+    other unprintable characters are shown escaped (``\\n``, ``\\x1b``); --json output is escaped by JSON itself."""
+    s = str(text)
+    return s if s.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+
+
 def _dispute(args) -> int:
     from .api import dispute
 
@@ -500,12 +508,12 @@ def _dispute(args) -> int:
         print(f"verdict: {verdict['verdict']}")
         for k in ("interval", "step", "micro_batch", "operator", "module", "data_step", "ruling"):
             if verdict.get(k) is not None:
-                print(f"  {k}: {verdict[k]}")
+                print(f"  {k}: {shown(verdict[k])}")
         print(f"  queries {verdict['queries']}, referee recomputed {verdict['referee_ops']} op(s) from "
               f"{verdict['referee_bytes']} bytes" + (f"; replaying the interval ran {verdict['interval_replay_ops']} ops"
                                                      if verdict.get("interval_replay_ops") else ""))
         for r in verdict.get("reasons", []):
-            print(f"  - {r}")
+            print(f"  - {shown(r)}")
     return 0 if verdict["verdict"] == "no_dispute" else 1
 
 
@@ -618,10 +626,10 @@ def _audit(args) -> int:
         if r.sample_seed is not None:
             print(f"  sampled intervals with seed {r.sample_seed} (repeat with --seed {r.sample_seed})")
         if r.unverified:
-            print(f"  not covered by the root, the trainer's unverified claims: {', '.join(sorted(r.unverified))}")
+            print(f"  not covered by the root, the trainer's unverified claims: {shown(', '.join(sorted(r.unverified)))}")
         print(f"verdict: {'ACCEPT' if r.accepted else 'REJECT'}")
         for reason in r.reasons:
-            print(f"  - {reason}")
+            print(f"  - {shown(reason)}")
     return 0 if r.accepted else 1
 
 

@@ -490,6 +490,8 @@ class _Replaying(Run):
         return reasons
 
     def _report(self, opts: dict):
+        from .cli import shown
+
         r = self.result
         if opts.get("result"):
             store.write_json_atomic(opts["result"], r.as_dict())
@@ -497,7 +499,7 @@ class _Replaying(Run):
             print(f"veritrain audit of {auditing()}: {'ACCEPT' if r.accepted else 'REJECT'} ({r.steps} steps "
                   f"replayed, {sum(r.corrections.values())} corrections)", file=sys.stderr)
             for reason in r.reasons[:10]:
-                print(f"  - {reason}", file=sys.stderr)
+                print(f"  - {shown(reason)}", file=sys.stderr)
 
 
 _provers: dict = {}  # the game's prover, by address: veritrain.init and Run.steps ask the same one

@@ -544,6 +544,67 @@ def test_14_a_trickling_prover_loses_on_the_whole_answer_deadline(digits_run, wh
     assert seconds < 30, seconds
 
 
+class RawAnswer(Trickler):
+    """An HTTP server that answers every request with the same bytes, then streams ``tail`` until stopped."""
+
+    def __init__(self, head: bytes, tail: bytes = b""):
+        self.head, self.tail = head, tail
+        super().__init__()
+
+    def _answer(self, conn):
+        try:
+            conn.recv(65536)
+            conn.sendall(self.head)
+            while self.tail and not self.stop.is_set():
+                conn.sendall(self.tail)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("status", ["200 OK", "500 Internal Server Error"])
+def test_a_chunk_of_negative_size_is_refused_unread(digits_run, status):
+    """http.client reads a chunk whose size line is -1 to the end of the stream, past the route's cap (and, on an
+    error status, past the 64 KiB read of its message): a prover streaming after it filled the challenger's
+    memory until the deadline (about 1.5 GB/s here), which ended in a MemoryError and no verdict."""
+    _, audit_dir = digits_run
+    server = RawAnswer(f"HTTP/1.1 {status}\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n".encode(), b"x" * (1 << 20))
+    try:
+        p, seconds = dispute_process(server.url, audit_dir, "--timeout", "20", timeout=60)
+    finally:
+        server.close()
+    assert p.returncode == 1 and p.stdout.strip(), p.stderr[-2000:]
+    v = json.loads(p.stdout)
+    assert v["verdict"] == "trainer_wrong" and "Transfer-Encoding" in v["reasons"][0], v
+    assert seconds < 15, seconds
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "0", "-1"])
+def test_a_bad_timeout_is_the_auditors_own_error(digits_run, timeout):
+    """--timeout is the auditor's setting: a value that is no deadline was played as a game that the prover lost
+    ("the prover did not send its manifest"), against an honest trainer too."""
+    _, audit_dir = digits_run
+    p = cli("dispute", "http://127.0.0.1:9", audit_dir, "--timeout", timeout)
+    assert p.returncode == 2 and "timeout must be a positive number of seconds" in p.stderr, (p.stdout, p.stderr)
+
+
+def test_a_provers_text_cannot_forge_lines_of_the_verdict(digits_run):
+    """The prover's refusal message reaches the reasons the command line prints: newlines and ANSI escapes in it
+    erased the real verdict on a terminal and printed "verdict: auditor_wrong" in its place."""
+    _, audit_dir = digits_run
+    forged = "no\n\x1b[2K\x1b[1Averdict: auditor_wrong"
+    body = json.dumps({"error": forged}).encode()
+    server = RawAnswer(b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    try:
+        p = cli("dispute", server.url, audit_dir, "--timeout", "10")
+    finally:
+        server.close()
+    assert p.returncode == 1 and p.stdout.startswith("verdict: trainer_wrong"), (p.stdout, p.stderr)
+    assert "\x1b" not in p.stdout and not any(line.startswith("verdict: auditor") for line in p.stdout.splitlines())
+    assert "\\x1b[2K" in p.stdout, p.stdout  # shown, escaped
+
+
 def test_every_http_answer_has_a_size_cap():
     """Beside #14: an answer announcing or streaming more than its route's cap is refused, unread."""
     from veritrain.protocol import ProverError

@@ -12,8 +12,8 @@ slack, initial state — comes from the auditor's own **policy**: a contract the
     task_source_sha256   contract (else: the trainer's, then the code     refused / rejected
                          the auditor runs is hashed and compared)
     config, seed,        contract (else: the run's, for a task the        refused
-    steps, every, bits,  auditor admitted)
-    mode
+    steps, every, bits,  auditor admitted; a config of its task's keys,
+    mode                 each of its default's type, that builds)
     thresholds           ceilings: contract, else rules.DEFAULT_THRESHOLDS refused (a larger threshold makes
                                                                           more results free value entries)
     slack                the policy's (default 2.0); the run's may only    refused; the auditor checks with
@@ -235,10 +235,43 @@ class Policy:
             if config != want:
                 diff = sorted(k for k in set(want) | set(config) if want.get(k, object()) != config.get(k, object()))
                 refuse("config", f"differs from the policy's at keys {diff[:10]}")
+        elif build:
+            from .task import default_config
+
+            problem = _config_problem(config, default_config(task))
+            if problem:
+                refuse("config", problem)
         return AdmittedRun(task=task, config=config, seed=manifest["seed"], steps=manifest["steps"],
                            checkpoint_every=manifest["checkpoint_every"], bits=manifest["bits"],
                            mode=manifest["mode"], thresholds=thresholds, slack=self.slack,
                            initial_state_sha256=self.initial_state_sha256, policy=self, micro_batches=micro)
+
+
+def _config_problem(config: dict, defaults: dict) -> str | None:
+    """Why a run's own config (no policy pins it) is not one of its task's: a key the task does not have, or a
+    value of another JSON type than the default's (an int for an int, a number for a float, text or null for
+    a path). The built-in tasks convert with int() and float(), so without this a width of 16.9 or "16"
+    built the model of 16, and the run's committed config named a training that did not happen."""
+    if not defaults:  # a task without defaults (an auditor's own --task) checks its own config
+        return None
+    unknown = sorted(k for k in config if k not in defaults)
+    if unknown:
+        return f"names keys the task does not have: {[str(k)[:40] for k in unknown[:10]]}"
+    for k, v in config.items():
+        d = defaults[k]
+        if isinstance(d, bool):
+            ok = isinstance(v, bool)
+        elif isinstance(d, int):
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif isinstance(d, float):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < math.inf
+        elif d is None or isinstance(d, str):
+            ok = v is None or isinstance(v, str)
+        else:
+            ok = type(v) is type(d)
+        if not ok:
+            return f"gives {k!r} the value {str(v)[:40]!r}, not of the type of the task's default {d!r}"
+    return None
 
 
 @dataclass
@@ -271,12 +304,31 @@ class AdmittedRun:
         randomness drawn while building is the same); ``init_log`` (a StepLogReader) replays the run's
         initialisation decisions. Replays load their state from checked checkpoints afterwards."""
         from .runner import build_initial
-        from .task import TaskError
+
+        from .engine import ReplayMismatchError
+        from .logformat import LogFormatError
 
         try:
             return build_initial(self.task, self.config, self.engine(), reader=init_log)
-        except TaskError as e:
-            raise RunError(f"cannot rebuild the run's task: {e}") from None
+        except (ReplayMismatchError, LogFormatError):
+            raise  # the construction does not replay the run's initialisation log: the caller says so
+        except Exception as e:  # noqa: BLE001 - see build_failure
+            raise build_failure(self, e) from None
+
+
+def build_failure(run: "AdmittedRun", e: Exception) -> Exception:
+    """The error for a task that does not build with ``run``'s config: the run's own config (no policy pinned
+    it) is the trainer's, so whatever its values make the task's code raise (a negative width, a NaN learning
+    rate, a corpus that is not a regular file) rejects the run; the policy's own config failing to build is
+    the auditor's problem. Other exceptions than these are raised as they are."""
+    from .task import TaskError
+
+    if run.policy.config is None and isinstance(e, (TaskError, ValueError, TypeError, RuntimeError, OverflowError,
+                                                     MemoryError, KeyError, IndexError, AssertionError)):
+        return RunRejected(f"the run's config does not build its task ({type(e).__name__}: {str(e)[:300]})")
+    if isinstance(e, TaskError):
+        return RunError(f"cannot rebuild the run's task: {e}")
+    return e
 
 
 def write_contract(path: str, policy: Policy):

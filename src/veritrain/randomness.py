@@ -167,10 +167,15 @@ def integers(seed: int, step: int, n: int, low: int, high: int, domain: str = "d
     return Stream(seed, step, 0, domain).integers(n, low, high)
 
 
+MAX_BATCH = 1 << 20  # examples in one batch
+
+
 def epoch_order(seed: int, step: int, batch_size: int, n_examples: int, domain: str = "data/order") -> np.ndarray:
     """Indices of the examples for ``step``: epochs of a fresh permutation each, batches in order."""
     if batch_size <= 0 or n_examples <= 0:
         raise ValueError("epoch_order: batch size and dataset size must be positive")
+    if batch_size > MAX_BATCH:  # a run's config names it: its list of indices would fill memory
+        raise ValueError(f"epoch_order: batch size {batch_size} is more than {MAX_BATCH}")
     start = step * batch_size
     out = []
     while len(out) < batch_size:

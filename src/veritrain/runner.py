@@ -30,7 +30,7 @@ from .engine import EngineConfig, ReplayMismatchError, UnsupportedOpError, logge
 from .logformat import LogFormatError, StepLogReader, StepLogWriter
 from .merkle import leaf_hash, verify_inclusion
 from .rounding import Grid
-from .policy import AdmittedRun, Policy
+from .policy import AdmittedRun, Policy, build_failure
 from .store import (INIT_LOG, MANIFEST, FORMAT, RunError, RunRejected, ckpt_name, file_sha256, load_manifest,
                     log_name, record_name, write_json_atomic)
 from .task import Task, TaskError, build, default_config, source_hash, using_device
@@ -840,8 +840,8 @@ def _rebuild_initial_state(run_dir: str, m: dict, run: AdmittedRun, engine: Engi
     except (ReplayMismatchError, LogFormatError) as e:
         raise RunRejected(f"initial state: the task's construction does not replay the run's initialisation "
                           f"log ({e})") from None
-    except TaskError as e:
-        raise RunError(f"cannot rebuild the run's task: {e}") from None
+    except Exception as e:  # noqa: BLE001 - policy.build_failure: the run's own config is the trainer's
+        raise build_failure(run, e) from None
     finally:
         if reader is not None:
             reader.close()
@@ -1073,6 +1073,10 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
             except (ReplayMismatchError, LogFormatError) as e:
                 iv.out["reasons"].append(str(e))
                 break
+            except REPLAY_FAILURES as e:
+                iv.out["reasons"].append(f"step {step}: the step fails from the run's committed state "
+                                         f"({type(e).__name__}: {str(e)[:300]})")
+                break
             iv.close_parallel_step(step, parts)
             bar.update(1)
             continue
@@ -1086,12 +1090,21 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         except (ReplayMismatchError, LogFormatError) as e:
             iv.out["reasons"].append(str(e))
             break
+        except REPLAY_FAILURES as e:  # the committed state or the run's config makes the task's step fail
+            iv.out["reasons"].append(f"step {step}: the step fails from the run's committed state "
+                                     f"({type(e).__name__}: {str(e)[:300]})")
+            break
         iv.close_step(step, st.stats, batch, task.batch_indices(step) if task.batch_indices else None, loss)
         bar.update(1)
     else:
         return iv.finish()
     iv.out["match"] = False
     return iv.out
+
+
+# what an honest run's step never raises, but a committed state the trainer chose can make the task's code raise
+# (optimizer state of another shape or dtype, a setting of another type: checkpoint._restore checks what it can)
+REPLAY_FAILURES = (RuntimeError, TypeError, ValueError, KeyError, IndexError, AssertionError, OverflowError)
 
 
 def evaluate_run(run_dir: str, step: int | None = None, policy: Policy | None = None, device="cpu") -> dict:

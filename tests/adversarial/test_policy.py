@@ -38,6 +38,28 @@ def edit_manifest(run, **fields):
     return recommit(run)
 
 
+@pytest.mark.parametrize("edit, reason", [
+    ({"width": 16.9}, "not of the type of the task's default 16"),
+    ({"batch_size": "64"}, "not of the type of the task's default 64"),
+    ({"bogus": 1}, "names keys the task does not have"),
+    ({"lr": float("nan")}, "not of the type of the task's default 0.003"),
+    ({"width": -3}, "the run's config does not build its task (RuntimeError"),
+    ({"batch_size": 10**7}, "step 0: the step fails from the run's committed state (ValueError"),
+], ids=["width 16.9", "batch size as text", "unknown key", "lr NaN", "negative width", "a batch of 10**7"])
+def test_a_runs_own_config_must_be_one_its_task_builds(honest, tmp_path, edit, reason):
+    """Without a contract the auditor takes a built-in task's config from the run. The built-in tasks convert
+    with int() and float(): a width of 16.9 built the model of 16, so the audit ACCEPTED a run whose committed
+    config names a training that did not happen. Values the task's code rejects stopped the audit with exit 2
+    (as if the auditor's own input were unusable) or a traceback; each is now the trainer's: rejected, exit 1."""
+    run = copy_run(honest, tmp_path)
+    m = store.load_manifest(str(run))
+    edit_manifest(run, config={**m["config"], **edit})
+    p = cli("audit", run, "--json", "--quiet", "--variant", AUDITOR)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    r = json.loads(p.stdout)
+    assert not r["accepted"] and any(reason in x for x in r["reasons"]), r["reasons"]
+
+
 def test_row2_slack_of_1e300_is_refused(honest, tmp_path):
     run = copy_run(honest, tmp_path)
     edit_manifest(run, slack=1e300)

@@ -13,6 +13,7 @@ kept as canonical JSON in the file's metadata and in the hash.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 
@@ -210,10 +211,37 @@ def _restore(path, tensors, meta, model, optimizer, scheduler):
     if meta["optimizer"]["class"] != type(optimizer).__name__:
         raise CheckpointError(f"checkpoint {path} holds {meta['optimizer']['class']} state, "
                               f"the task builds {type(optimizer).__name__}")
+    _check_settings(path, groups, optimizer.param_groups)
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     _restore_exact_dtypes(optimizer, state)
     if scheduler is not None and meta.get("scheduler"):
         scheduler.load_state_dict(meta["scheduler"]["state"])
+
+
+def _check_settings(path, groups, own):
+    """The optimizer settings a checkpoint restores against the task's own optimizer's: flags and text equal
+    (amsgrad, foreach, capturable, ...: they choose other code), numbers finite numbers (a learning rate is
+    state that changes), sequences of the same length. A setting the task's code cannot take (a learning rate
+    of "abc" or 10**400, amsgrad without its state) failed inside the replayed step. Settings one side's torch
+    does not have are left to torch's load_state_dict, which gives them their defaults (another torch version
+    wrote the checkpoint)."""
+    if len(groups) != len(own):
+        raise CheckpointError(f"checkpoint {path} holds {len(groups)} optimizer groups, the task has {len(own)}")
+    for i, (g, mine) in enumerate(zip(groups, own)):
+        for key, want in mine.items():
+            if key != "params" and key in g and not _same_kind(g[key], want):
+                raise CheckpointError(f"checkpoint {path}: optimizer group {i} sets {key!r} to {str(g[key])[:40]!r}, "
+                                      f"which the task's {want!r} does not allow")
+
+
+def _same_kind(got, want) -> bool:
+    if isinstance(want, bool) or want is None or isinstance(want, str):
+        return type(got) is type(want) and got == want
+    if isinstance(want, (int, float)):
+        return isinstance(got, (int, float)) and not isinstance(got, bool) and abs(got) < math.inf
+    if isinstance(want, (list, tuple)):
+        return isinstance(got, (list, tuple)) and len(got) == len(want) and all(map(_same_kind, got, want))
+    return type(got) is type(want)
 
 
 def _restore_exact_dtypes(optimizer, state):

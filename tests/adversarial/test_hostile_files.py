@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 import zstandard
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
@@ -263,6 +264,59 @@ def test_a_second_scalar_entry_for_one_argument_is_malformed(run):
     assert_audit_refuses(run, log_name(step))
     with pytest.raises(ValueError, match="strictly increasing"):  # and our writer cannot write one
         StepLogWriter(str(run / "other.vtlog"), step, bits).op(op.name, op.scalars, op.outputs, 0)
+
+
+def _recommit_checkpoint(run, step, edit):
+    """The trainer's checkpoint after ``step`` rewritten by ``edit(tensors, meta)``, its header's hash, the
+    manifest's entry and every commitment recomputed: a self-consistent run around a state it chose."""
+    from safetensors.torch import load_file, save_file
+
+    from veritrain.checkpoint import read_checkpoint
+    from veritrain.commitments import state_hash
+
+    path = str(run / ckpt_name(step))
+    _, meta, got, _ = read_checkpoint(path)
+    tensors = dict(load_file(path))
+    edit(tensors, meta)
+    digest = state_hash(tensors, meta, got)
+    save_file(tensors, path, metadata={"veritrain": canonical_json({"step": got, "meta": meta,
+                                                                   "state_sha256": digest}).decode()})
+    m = store.load_manifest(str(run))
+    for c in m["checkpoints"]:
+        if c["step"] == step:
+            c["state_sha256"], c["file_sha256"] = digest, store.file_sha256(path)
+    store.save_manifest(str(run), m)
+    recommit(run)
+
+
+def _set_group(key, value):
+    def edit(tensors, meta):
+        meta["optimizer"]["param_groups"][0][key] = value
+    return edit
+
+
+def _reshape_state(tensors, meta):
+    name = next(k for k in sorted(tensors) if k.startswith("optimizer/state/") and k.endswith("/exp_avg"))
+    tensors[name] = torch.zeros(3)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (_set_group("lr", "abc"), "sets 'lr' to 'abc'"),
+    (_set_group("weight_decay", None), "sets 'weight_decay' to 'None'"),
+    (_set_group("amsgrad", True), "sets 'amsgrad' to 'True'"),
+    (_set_group("betas", [1]), "sets 'betas' to '[1]'"),
+    (_reshape_state, "the step fails from the run's committed state (RuntimeError"),
+], ids=["lr as text", "no weight decay", "amsgrad", "one beta", "a moment of another shape"])
+def test_a_checkpoint_whose_optimizer_state_the_task_cannot_take_is_rejected(run, edit, reason):
+    """The trainer's checkpoint, recommitted, restores optimizer settings or state that AdamW's step cannot take:
+    the replay of the next interval raised a TypeError, KeyError, AssertionError or RuntimeError (a traceback,
+    no verdict), or stopped with exit 2. The settings are checked against the task's own optimizer when the
+    checkpoint loads, and a step that fails from a committed state rejects the run."""
+    _recommit_checkpoint(run, 1, edit)
+    code, out, err, _ = hostile_cli("audit", run, "--json", "--quiet")
+    assert code == 1 and "Traceback" not in err, (code, out[-2000:], err[-2000:])
+    r = json.loads(out)
+    assert not r["accepted"] and any(reason in x for x in r["reasons"]), r["reasons"]
 
 
 # --- (d) a 1 KB log that declares huge blocks ---------------------------------------------------

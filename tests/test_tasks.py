@@ -19,6 +19,19 @@ def test_gpt2_bpe_from_the_shared_files():
     assert ids.tolist() == [15496, 995] and vocab == 50257
 
 
+@pytest.mark.timeout(60)
+def test_a_corpus_that_is_not_a_regular_file_is_refused_unread(tmp_path):
+    """A run's config names the corpus: a FIFO hung the auditor at open, /dev/zero with max_chars 0 read until
+    memory ran out. A corpus must be a regular file of at most MAX_CORPUS_BYTES."""
+    from veritrain.tasks.gpt2_text import read_corpus
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        with pytest.raises(TaskError, match="is not a regular file"):
+            read_corpus(str(path), 0)
+
+
 def test_a_small_bpe_in_gpt2_format(tmp_path):
     """vocab.json + merges.txt in GPT-2's format (byte-level symbols), made here."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode

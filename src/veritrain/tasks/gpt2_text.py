@@ -7,7 +7,9 @@ raw bytes (vocabulary 256) or GPT-2's byte-level BPE from a folder holding its v
 
 from __future__ import annotations
 
+import io
 import os
+import stat
 
 import numpy as np
 import torch
@@ -36,14 +38,28 @@ DEFAULTS = {
 }
 
 
+MAX_CORPUS_BYTES = 1 << 30
+
+
 def read_corpus(path, max_chars: int) -> str:
     if not path:
         raise TaskError("gpt2-text: config 'corpus' is required (a path to a text file, e.g. "
                         "--set corpus=../shared/data/shakespeare.txt)")
     path = os.path.expanduser(str(path))
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(max_chars) if max_chars else f.read()
+        # a run's config names the file: a regular one (not a FIFO or a device, opened without blocking) of at
+        # most MAX_CORPUS_BYTES, so a hostile path can neither hang the auditor nor fill its memory
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as raw:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise TaskError(f"gpt2-text: corpus {path!r} (config 'corpus') is not a regular file")
+            if st.st_size > MAX_CORPUS_BYTES:
+                raise TaskError(f"gpt2-text: corpus {path!r} (config 'corpus') has {st.st_size} bytes, more than "
+                                f"{MAX_CORPUS_BYTES}")
+            os.set_blocking(fd, True)
+            with io.TextIOWrapper(raw, encoding="utf-8") as f:
+                text = f.read(max_chars) if max_chars else f.read()
     except FileNotFoundError:
         raise TaskError(f"gpt2-text: corpus file {path!r} (config 'corpus') does not exist") from None
     except (OSError, UnicodeDecodeError) as e:

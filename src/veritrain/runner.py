@@ -1150,7 +1150,16 @@ def _evaluate_run(run_dir, step, policy, device) -> dict:
     if step not in states:
         raise RunError(f"{run_dir} commits to no state after step {step}; it commits to the states after steps "
                        f"{sorted(states)} (the starts and ends of its intervals)")
-    task = run.build_task()
+    # built as the audit builds it, replaying the run's initialisation log: a config the trainer did not build
+    # (a model of 300000 layers) stops at its first op the log does not have, not after building it all
+    reader = _init_log_reader(run_dir, m) if run.mode == "verified" and m.get("init_log_sha256") else None
+    try:
+        task = run.build_task(init_log=reader)
+    except (ReplayMismatchError, LogFormatError) as e:
+        raise RunRejected(f"the task's construction does not replay the run's initialisation log ({e})") from None
+    finally:
+        if reader is not None:
+            reader.close()
     if task.evaluate is None:
         raise RunError(f"task {m['task']} defines no evaluation")
     if m["mode"] == "fp64":

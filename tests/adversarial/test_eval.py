@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import cli
+from conftest import cli, recommit
 from veritrain import store
 from veritrain.policy import Policy, write_contract
 from veritrain.runner import TrainOptions, train
@@ -39,6 +39,21 @@ def _swap_last_checkpoint(honest, better, dst):
     m["checkpoints"] = m["checkpoints"] + [dict(donor)]
     store.save_manifest(str(dst), m)  # leaves and root untouched: the committed run is the honest one
     return m
+
+
+def test_eval_builds_the_task_as_the_audit_does(runs, tmp_path):
+    """eval built whatever model the run's own config names before it loaded a committed state into it (a GPT-2
+    of 300000 layers ran on for minutes and gigabytes). It now replays the run's initialisation log, as the
+    audit does: a config the trainer did not build stops at the first op the log does not have."""
+    honest, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(honest, run)
+    m = store.load_manifest(str(run))
+    m["config"] = {**m["config"], "width": 17}
+    store.save_manifest(str(run), m)
+    recommit(run)
+    p = cli("eval", run, "--json")
+    assert p.returncode == 1 and "does not replay the run's initialisation log" in p.stdout, (p.stdout, p.stderr)
 
 
 def test_eval_of_an_uncommitted_checkpoint_is_refused(runs, tmp_path):

@@ -316,6 +316,11 @@ class AdmittedRun:
             raise build_failure(self, e) from None
 
 
+# what a task's own code raises on values it cannot take (a config, a committed state the trainer chose); an honest
+# run never makes it raise these
+TASK_CODE_FAILURES = (RuntimeError, TypeError, ValueError, KeyError, IndexError, AssertionError, OverflowError)
+
+
 def build_failure(run: "AdmittedRun", e: Exception) -> Exception:
     """The error for a task that does not build with ``run``'s config: the run's own config (no policy pinned
     it) is the trainer's, so whatever its values make the task's code raise (a negative width, a NaN learning
@@ -323,8 +328,7 @@ def build_failure(run: "AdmittedRun", e: Exception) -> Exception:
     the auditor's problem. Other exceptions than these are raised as they are."""
     from .task import TaskError
 
-    if run.policy.config is None and isinstance(e, (TaskError, ValueError, TypeError, RuntimeError, OverflowError,
-                                                     MemoryError, KeyError, IndexError, AssertionError)):
+    if run.policy.config is None and isinstance(e, (TaskError, MemoryError, *TASK_CODE_FAILURES)):
         return RunRejected(f"the run's config does not build its task ({type(e).__name__}: {str(e)[:300]})")
     if isinstance(e, TaskError):
         return RunError(f"cannot rebuild the run's task: {e}")

@@ -888,7 +888,7 @@ def _checked_inputs(ch: Challenger, step: int, index: int, mine: dict, theirs: d
         return {**out, "verdict": "trainer_wrong", "ruling": why}
 
     link = OpTrace.link(prev_chain, theirs)
-    if not _is_digest(link) or link != theirs.get("chain"):  # an entry that cannot be hashed binds nothing
+    if not link or link != theirs.get("chain"):  # an entry that cannot be hashed links to "": it binds nothing
         return lose(f"the prover's entry for op {index} of step {step} does not hash to the running hash it "
                     f"answered with (an inconsistent answer)")
     if theirs.get("op") != mine["op"]:

@@ -30,7 +30,7 @@ from .engine import EngineConfig, ReplayMismatchError, UnsupportedOpError, logge
 from .logformat import LogFormatError, StepLogReader, StepLogWriter
 from .merkle import leaf_hash, verify_inclusion
 from .rounding import Grid
-from .policy import AdmittedRun, Policy, build_failure
+from .policy import TASK_CODE_FAILURES, AdmittedRun, Policy, build_failure
 from .store import (INIT_LOG, MANIFEST, FORMAT, RunError, RunRejected, ckpt_name, file_sha256, load_manifest,
                     log_name, record_name, write_json_atomic)
 from .task import Task, TaskError, build, default_config, source_hash, using_device
@@ -1073,7 +1073,7 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
             except (ReplayMismatchError, LogFormatError) as e:
                 iv.out["reasons"].append(str(e))
                 break
-            except REPLAY_FAILURES as e:
+            except TASK_CODE_FAILURES as e:
                 iv.out["reasons"].append(f"step {step}: the step fails from the run's committed state "
                                          f"({type(e).__name__}: {str(e)[:300]})")
                 break
@@ -1090,7 +1090,7 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         except (ReplayMismatchError, LogFormatError) as e:
             iv.out["reasons"].append(str(e))
             break
-        except REPLAY_FAILURES as e:  # the committed state or the run's config makes the task's step fail
+        except TASK_CODE_FAILURES as e:  # the committed state or the run's config makes the task's step fail
             iv.out["reasons"].append(f"step {step}: the step fails from the run's committed state "
                                      f"({type(e).__name__}: {str(e)[:300]})")
             break
@@ -1100,11 +1100,6 @@ def _audit_interval(run_dir, m, task, engine, grid, i, a, b, leaves, tree, root,
         return iv.finish()
     iv.out["match"] = False
     return iv.out
-
-
-# what an honest run's step never raises, but a committed state the trainer chose can make the task's code raise
-# (optimizer state of another shape or dtype, a setting of another type: checkpoint._restore checks what it can)
-REPLAY_FAILURES = (RuntimeError, TypeError, ValueError, KeyError, IndexError, AssertionError, OverflowError)
 
 
 def evaluate_run(run_dir: str, step: int | None = None, policy: Policy | None = None, device="cpu") -> dict:

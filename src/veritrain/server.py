@@ -132,6 +132,7 @@ class HttpProver(Prover):
         timer.daemon = True
         t0 = time.monotonic()
         timer.start()
+        r = None
         try:
             conn.request("GET", f"{base}/{route}?{urllib.parse.urlencode(params)}", headers={"Connection": "close"})
             r = conn.getresponse()
@@ -170,6 +171,8 @@ class HttpProver(Prover):
             raise ProverError(f"cannot reach {self.url} ({getattr(e, 'reason', None) or e})") from None
         finally:
             timer.cancel()
+            if r is not None:  # an answer refused before its end: with "Connection: close" it holds the socket
+                r.close()
             conn.close()
 
     def _json(self, route, **params):

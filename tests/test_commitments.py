@@ -101,3 +101,25 @@ def test_tied_weights_are_saved_once_each_name(tmp_path):
     path = str(tmp_path / "tied.safetensors")
     digest = save_checkpoint(path, model, opt, None, 0)
     assert load_checkpoint(path, model, opt, None) == (0, digest)
+
+
+def test_a_checkpoints_streamed_hash_is_its_state_hash(tmp_path):
+    """checkpoint.checkpoint_state hashes a checkpoint's tensors from the file's bytes, a few MiB at a time
+    (verify and the audit's check of the final weights): the same hash as state_hash of the tensors read,
+    for every dtype and shape a state can hold (bool, integers, bfloat16, 0-dim, empty, larger than a chunk)."""
+    from safetensors.torch import save_file
+
+    from veritrain import checkpoint
+    from veritrain.checkpoint import checkpoint_state, read_checkpoint
+    from veritrain.commitments import canonical_json, state_hash
+
+    tensors = {"model/a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "model/b": torch.tensor(True),
+               "model/c": torch.tensor([1, -2], dtype=torch.int64), "model/d": torch.zeros(0, 4),
+               "model/e": torch.tensor([1.5, -0.0], dtype=torch.bfloat16), "model/f": torch.tensor([True, False]),
+               "optimizer/state/a/exp_avg": torch.randn(3 * checkpoint._CHUNK // 4 + 5, dtype=torch.float64)}
+    meta = {"optimizer": {"class": "AdamW"}, "x": -0.0}
+    path = str(tmp_path / "c.safetensors")
+    save_file(tensors, path, metadata={"veritrain": canonical_json(
+        {"step": 3, "meta": meta, "state_sha256": state_hash(tensors, meta, 3)}).decode()})
+    got, meta2, step, recorded = read_checkpoint(path)
+    assert checkpoint_state(path) == (3, state_hash(got, meta2, step)) == (3, state_hash(tensors, meta, 3))

@@ -46,34 +46,56 @@ def _json_default(o):
     raise TypeError(f"cannot commit to a value of type {type(o).__name__}: {o!r}")
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
+def tensor_buffer(t: torch.Tensor):
+    """The tensor's raw little-endian C-order bytes as a buffer: a view of its memory where it is already a
+    contiguous CPU tensor on a little-endian machine (hashing a checkpoint's tensors then copies nothing)."""
     t = t.detach().to("cpu").contiguous()
     if t.numel() == 0:
-        return b""
-    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes()
+        return memoryview(b"")
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.dtype != torch.bool else t.reshape(-1).numpy()
     if sys.byteorder == "big" and t.element_size() > 1:
-        raw = np.frombuffer(raw, dtype=np.dtype(f">u{t.element_size()}")).byteswap().tobytes()
-    return raw
+        raw = np.frombuffer(raw.tobytes(), dtype=np.dtype(f">u{t.element_size()}")).byteswap().tobytes()
+    return memoryview(raw).cast("B")
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return bytes(tensor_buffer(t))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _update_entry(h, name: str, dtype: str, shape, nbytes: int, chunks):
+    n, d = name.encode(), dtype.encode()
+    h.update(struct.pack("<I", len(n)) + n + struct.pack("<I", len(d)) + d + struct.pack("<I", len(shape)))
+    h.update(b"".join(struct.pack("<Q", s) for s in shape))
+    h.update(struct.pack("<Q", nbytes))
+    for c in chunks:
+        h.update(c)
+
+
 def _update_tensor(h, name: str, t: torch.Tensor):
-    n = name.encode()
-    d = dtype_name(t.dtype).encode()
-    raw = tensor_bytes(t)
-    h.update(struct.pack("<I", len(n)) + n + struct.pack("<I", len(d)) + d + struct.pack("<I", t.dim()))
-    h.update(b"".join(struct.pack("<Q", s) for s in t.shape))
-    h.update(struct.pack("<Q", len(raw)))
-    h.update(raw)
+    raw = tensor_buffer(t)
+    _update_entry(h, name, dtype_name(t.dtype), t.shape, raw.nbytes, [raw])
 
 
 def state_hash(tensors: dict, meta: dict, step: int) -> str:
     h = hashlib.sha256(STATE_TAG + struct.pack("<Q", step))
     for name in sorted(tensors, key=lambda s: s.encode()):
         _update_tensor(h, name, tensors[name])
+    m = canonical_json(meta)
+    h.update(struct.pack("<Q", len(m)) + m)
+    return h.hexdigest()
+
+
+def streamed_state_hash(entries: dict, meta: dict, step: int) -> str:
+    """state_hash from each tensor's (dtype name, shape, nbytes, chunks): ``chunks()`` yields its raw
+    little-endian bytes in pieces (a checkpoint's tensor read from its file a few MiB at a time)."""
+    h = hashlib.sha256(STATE_TAG + struct.pack("<Q", step))
+    for name in sorted(entries, key=lambda s: s.encode()):
+        dtype, shape, nbytes, chunks = entries[name]
+        _update_entry(h, name, dtype, shape, nbytes, chunks())
     m = canonical_json(meta)
     h.update(struct.pack("<Q", len(m)) + m)
     return h.hexdigest()

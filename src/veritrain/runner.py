@@ -750,6 +750,9 @@ class AuditPlan:
         n = store.interval_count(run.steps, run.checkpoint_every)
         if len(self.leaves) != n:  # checked before any per-interval list is built (steps may be up to 2**40)
             raise RunRejected(f"{run_dir}: {len(self.leaves)} leaves for {n} intervals")
+        # the weights the run delivers: no interval starts from them, so no replay reads them
+        final = store.final_checkpoint_problem(run_dir, run.steps, self.leaves)
+        self.final_reasons = [final] if final else []
         self.spans = store.intervals(run.steps, run.checkpoint_every)
         chosen = list(range(n))
         if intervals is not None:
@@ -788,7 +791,7 @@ class AuditPlan:
 
     def result(self, t0) -> AuditResult:
         results = sorted(self.results, key=lambda r: r["interval"])
-        reasons = list(self.init_reasons)
+        reasons = list(self.init_reasons) + self.final_reasons
         corrections = {"forward": 0, "backward": 0, "optimizer": 0}
         freedom = _add_freedom({}, {})
         suspicious, entries, details = 0, 0, []

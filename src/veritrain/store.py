@@ -474,6 +474,28 @@ def committed_state(manifest: dict, step: int) -> str | None:
     return None
 
 
+def final_checkpoint_problem(run_dir: str, steps: int, leaves: list[bytes]) -> str | None:
+    """Why checkpoints/step_<steps> (the weights the run delivers) does not hold the state the last leaf
+    commits to, or None where it does. The audit replays intervals from their start checkpoints and compares
+    the replay with the leaves; the file of the last state is never a start, so it is checked here, by its
+    contents' state hash, streamed from the file a few MiB at a time (checkpoint.checkpoint_state)."""
+    from .checkpoint import CheckpointError, checkpoint_state
+
+    name = ckpt_name(steps)
+    try:
+        want = parse_leaf(leaves[-1])["state_sha256"]
+        with open_run_file(run_dir, name) as f:
+            step, got = checkpoint_state(f)
+    except (RunFileError, CheckpointError) as e:
+        return f"{name}, the run's final weights: {e.problem if isinstance(e, RunFileError) else e}"
+    except (IndexError, RunError) as e:
+        return f"the run's last leaf is malformed ({e})"
+    if (step, got) != (steps, want):
+        return (f"{name}, the run's final weights, holds the state {got[:16]}… after {step} steps, not the state "
+                f"{want[:16]}… after {steps} steps that the last leaf commits to")
+    return None
+
+
 def tree_of(leaves: list[bytes]) -> MerkleTree:
     return MerkleTree([leaf_hash(x) for x in leaves])
 
@@ -489,8 +511,7 @@ def verify(run_dir: str, root: str | None = None) -> dict:
     Files are read as hostile input (open_run_file); the work is bounded by the manifest's size and the
     files' size caps.
     """
-    from .checkpoint import CheckpointError, read_checkpoint
-    from .commitments import state_hash
+    from .checkpoint import CheckpointError, checkpoint_state
 
     problems = []
 
@@ -519,6 +540,8 @@ def verify(run_dir: str, root: str | None = None) -> dict:
     if steps != committed:
         bad(MANIFEST, f"its leaves commit to {committed} steps, it says {steps} steps are complete")
         steps = min(steps, committed)
+    if m.get("complete") and steps != m["steps"]:  # the schedule is what the root covers: all of it
+        bad(MANIFEST, f"says the run is complete, but its leaves commit to {steps} of its {m['steps']} steps")
     for c in m["checkpoints"]:
         name = ckpt_name(c["step"])  # load_manifest checked that the entry names this file
         try:
@@ -526,8 +549,7 @@ def verify(run_dir: str, root: str | None = None) -> dict:
                 bad(name, "altered or truncated: its SHA-256 differs from the manifest's")
                 continue
             with open_run_file(run_dir, name) as f:
-                tensors, meta, step, recorded = read_checkpoint(f)
-            actual = state_hash(tensors, meta, step)
+                step, actual = checkpoint_state(f)  # streamed: memory of a few MiB, whatever the header declares
         except RunFileError as e:
             bad(name, e.problem)
             continue
@@ -536,6 +558,9 @@ def verify(run_dir: str, root: str | None = None) -> dict:
             continue
         if actual != c["state_sha256"] or step != c["step"]:
             bad(name, "its state hash differs from the manifest's commitment")
+        elif c["step"] == 0 and m.get("initial_state_sha256") is not None and actual != m["initial_state_sha256"]:
+            bad(name, f"holds the state {actual[:16]}…, not the run's initial_state_sha256 "
+                      f"{str(m['initial_state_sha256'])[:16]}… (which the root commits to)")
     verified = m["mode"] == "verified"
     if verified and m.get("init_log_sha256") is not None:  # None: an own loop built without veritrain.init
         _verify_log(run_dir, INIT_LOG, m.get("init_log_sha256"), 0, m["bits"], bad,

@@ -52,6 +52,16 @@ def _committed_steps(m: dict) -> int:
         return 0
 
 
+def _committed_final_state(m: dict) -> str | None:
+    """The state hash the last leaf commits to (before any leaf: the committed initial state). Not the
+    manifest's ``checkpoints`` list, which no commitment covers: a trainer may list any hash there."""
+    try:
+        leaves = m.get("leaves", [])
+        return store.parse_leaf(bytes.fromhex(leaves[-1]))["state_sha256"] if leaves else m.get("initial_state_sha256")
+    except (ValueError, TypeError, store.RunError):
+        return None
+
+
 def inspect_run(run_dir: str) -> dict:
     m = store.load_manifest(run_dir)
     steps = min(int(m.get("steps_completed", 0)), _committed_steps(m))
@@ -78,7 +88,7 @@ def inspect_run(run_dir: str) -> dict:
                 for k in entries:
                     entries[k] += tot[k]
         per_step.append(row)
-    final = m["checkpoints"][-1]["state_sha256"] if m["checkpoints"] else None
+    final = _committed_final_state(m)
     return {
         "format": INSPECT_FORMAT, "kind": "run", "run": os.path.abspath(run_dir), "task": m["task"],
         "mode": m["mode"], "bits": m["bits"], "seed": m["seed"], "complete": bool(m.get("complete")),

@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="task config override (repeatable)")
     k.add_argument("--steps", type=int, help="pin the number of training steps")
     k.add_argument("--checkpoint-every", type=int, help="pin the steps per checkpoint interval")
-    k.add_argument("--seed", type=int, help="pin the run seed")
+    k.add_argument("--seed", type=int, help="pin the run seed (default 0: the seed keys every draw of a run, its "
+                                            "initial weights and dropout masks)")
     k.add_argument("--bits", type=int, help="pin the rounding amount")
     k.add_argument("--mode", choices=MODES, help="pin the training mode")
     k.add_argument("--thresholds", help="JSON file of per-class threshold ceilings (default: the built-in ones)")
@@ -395,7 +396,7 @@ def _contract(args) -> int:
     overrides = _config(args.task, args.set)
     defaults = default_config(args.task)
     policy = Policy(task=args.task, task_source_sha256=source_hash(args.task), config={**defaults, **overrides},
-                    seed=args.seed, steps=args.steps, checkpoint_every=args.checkpoint_every, bits=args.bits,
+                    seed=0 if args.seed is None else args.seed, steps=args.steps, checkpoint_every=args.checkpoint_every, bits=args.bits,
                     mode=args.mode, thresholds=thresholds, slack=args.slack if args.slack is not None else 2.0,
                     initial_state_sha256=args.initial_state, root=args.root,
                     micro_batches=1 if args.micro_batches is None else args.micro_batches,

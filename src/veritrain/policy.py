@@ -23,6 +23,7 @@ slack, initial state — comes from the auditor's own **policy**: a contract the
     micro_batches        contract (else: the run's, 2..4096; absent       refused
                          means one micro-batch per step); a contract
                          that pins the config and not this pins 1
+    (seed: a contract that pins the config and names no seed pins 0)
 
 docs/SECURITY.md has the threat model this implements.
 """
@@ -131,6 +132,10 @@ class Policy:
             # the config's batch size is a step's: micro-batches would multiply the examples a step takes, a
             # choice a contract that pins the config leaves to no one (a run with G of them is another training)
             kwargs["micro_batches"] = 1
+        if "config" in kwargs and "seed" not in kwargs:
+            # the run seed keys every draw under the engine (initial weights, dropout); a config's own seeds
+            # (init_seed: torch.manual_seed) draw nothing there: left open, the trainer grinds over 2**63 runs
+            kwargs["seed"] = 0
         return cls(**kwargs, source=f"contract {path}")
 
     @classmethod

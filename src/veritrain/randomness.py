@@ -24,6 +24,12 @@ _TWO_M32 = 2.0**-32
 
 
 def philox_key(seed: int, step: int, index: int, domain: str) -> np.ndarray:
+    # a run's config names seeds (a task's data_seed): out of range, struct.pack raised struct.error, which no
+    # caller takes for a bad input; a ValueError names the field (a step that fails rejects the run)
+    for name, v in (("seed", seed), ("step", step), ("index", index)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -2**63 <= v < 2**63:
+            raise ValueError(f"random stream {domain!r}: {name} {str(v)[:40]} is not an integer in "
+                             f"-2**63..2**63-1 (a 64-bit key)")
     digest = hashlib.sha256(b"veritrain/philox/v1\0" + domain.encode() + b"\0"
                             + struct.pack("<qqq", seed, step, index)).digest()
     return np.frombuffer(digest[:16], dtype="<u8").astype(np.uint64)

@@ -39,6 +39,7 @@ DEFAULTS = {
 
 
 MAX_CORPUS_BYTES = 1 << 30
+MAX_TOKENIZER_FILE_BYTES = 1 << 26  # GPT-2's vocab.json has 1 MB, merges.txt 0.5 MB
 
 
 def read_corpus(path, max_chars: int) -> str:
@@ -82,6 +83,12 @@ def load_bpe_tokenizer(folder):
                    if os.path.exists(os.path.join(folder, n))), None)
     if vocab is None or merges is None:
         raise TaskError(f"config 'tokenizer': {folder!r} lacks vocab.json/encoder.json or merges.txt/vocab.bpe")
+    for path in (vocab, merges):  # read whole by the tokenizer library: as the corpus, small regular files only
+        st = os.stat(path)  # follows a symlink, does not open (a FIFO would block)
+        if not stat.S_ISREG(st.st_mode):
+            raise TaskError(f"config 'tokenizer': {path!r} is not a regular file")
+        if st.st_size > MAX_TOKENIZER_FILE_BYTES:
+            raise TaskError(f"config 'tokenizer': {path!r} has {st.st_size} bytes, more than {MAX_TOKENIZER_FILE_BYTES}")
     try:
         try:  # transformers >= 5 takes the files as vocab=/merges= (vocab_file= is silently ignored)
             tok = GPT2TokenizerFast(vocab=vocab, merges=merges)

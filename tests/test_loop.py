@@ -327,3 +327,72 @@ def test_the_games_views_of_the_one_model_keep_their_own_states():
     assert hash_state(model, optimizer, None, 0) == moved
     b.hold()
     assert hash_state(model, optimizer, None, 0) not in (initial, moved)
+
+
+CANCELLING_INIT = '''
+import sys, torch
+import veritrain
+
+with veritrain.init(seed=0) as init:
+    model = torch.nn.Linear(16, 16)
+    a, b, e, f = torch.randn(16, 8), torch.randn(8, 16), 1e-4 * torch.randn(16, 1), 1e-3 * torch.randn(1, 16)
+    with torch.no_grad():  # sums that nearly cancel: results near 1e-7 of terms near 1, their last bits open
+        model.weight += torch.cat([a, -a, e], 1) @ torch.cat([b, b, f], 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run = veritrain.Run(sys.argv[1], model, optimizer, seed=0, checkpoint_every=1, init=init)
+for step, batch in run.steps(lambda s: torch.ones(2, 16), 0):
+    with run.step(batch):
+        pass
+'''
+
+
+def test_the_initial_state_is_checked_with_the_policys_thresholds(tmp_path):
+    """A contract's threshold ceilings bound every rounding choice, the initial weights' included (on the task
+    path the auditor builds the task under the admitted thresholds, AdmittedRun.engine). The script's
+    construction here holds 256 value entries (exact zeros of a cancelling product), each needed only under
+    the default thresholds; the trainer's manifest declares thresholds within the client's ceilings (1e-3),
+    recommitted. veritrain.init under audit replayed the initialisation log with the default thresholds and
+    accepted it: the initial weights had the default thresholds' freedom, whatever the contract allowed."""
+    d = tmp_path
+    (d / "train.py").write_text(CANCELLING_INIT)
+    p = python(d / "train.py", d / "run", cwd=d)
+    assert p.returncode == 0, p.stderr
+    from veritrain import store
+
+    m = store.load_manifest(str(d / "run"))
+    tiny = {k: 1e-3 for k in m["thresholds"]}
+    m["thresholds"] = tiny
+    store.save_manifest(str(d / "run"), m)
+    recommit(d / "run")
+    contract = d / "contract.json"
+    contract.write_text(json.dumps({"format": "veritrain-contract/1", "thresholds": tiny}))
+    r, p = audit(d, d / "run", "--contract", contract, "--out", d / "audit")
+    assert not r["accepted"] and p.returncode == 1, r
+    assert any("initial state: 256 suspicious entries" in x for x in r["reasons"]), r["reasons"]
+    # and the game's challenger replays the log under the same thresholds: the trainer loses, for those entries
+    p = cli("dispute", d / "run", d / "audit", "--contract", contract, "--json", "--", sys.executable,
+            d / "train.py", d / "run", cwd=d)
+    v = json.loads(p.stdout)
+    assert v["verdict"] == "trainer_wrong" and "256 suspicious entries" in v["ruling"], (v, p.stderr[-2000:])
+    r, _ = audit(d, d / "run")  # without the contract: the run's own (smaller) thresholds, all the same
+    assert not r["accepted"] and any("initial state: 256 suspicious" in x for x in r["reasons"]), r["reasons"]
+
+
+def test_the_game_on_a_loops_initial_state_blames_the_side_that_is_wrong(tmp_path):
+    """A dispute about an own loop's initial state: the challenger's script has built it under veritrain.init
+    with the prover's initialisation log; the referee's build of the task (a view of that state) replayed
+    the log once more against nothing, found it unread and ruled `trainer_wrong` for every such dispute,
+    the honest trainer's included (an audit that wrongly claimed other initial weights)."""
+    d = tmp_path
+    (d / "train.py").write_text(CANCELLING_INIT)
+    p = python(d / "train.py", d / "run", cwd=d)
+    assert p.returncode == 0, p.stderr
+    r, _ = audit(d, d / "run", "--out", d / "audit")
+    assert r["accepted"], r["reasons"]
+    saved = json.loads((d / "audit" / "audit.json").read_text())
+    saved["initial_state_reasons"] = ["initial state: this script's model hashes to 0000…, the run commits to "
+                                      "1111… (a wrong audit)"]
+    (d / "audit" / "audit.json").write_text(json.dumps(saved))
+    p = cli("dispute", d / "run", d / "audit", "--json", "--", sys.executable, d / "train.py", d / "run", cwd=d)
+    v = json.loads(p.stdout)
+    assert v["verdict"] == "auditor_wrong", (v, p.stderr[-2000:])

@@ -38,10 +38,14 @@ import transformers
 from .task import Task, TaskError
 
 # the TrainingArguments that decide the training (recorded in the run's config, compared by the auditor);
-# output and logging paths, which hold dates and host names, are not among them
+# output and logging paths, which hold dates and host names, are not among them. Everything the step reads is:
+# a setting left out (label smoothing, which the Trainer's compute_loss applies) let a run trained with it
+# pass a contract pinning the config of a run without it
 RECORDED_ARGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
                  "max_steps", "per_device_train_batch_size", "lr_scheduler_type", "lr_scheduler_kwargs",
-                 "warmup_steps", "warmup_ratio", "optim", "optim_args", "seed", "dataloader_drop_last")
+                 "warmup_steps", "warmup_ratio", "optim", "optim_args", "optim_target_modules", "seed",
+                 "dataloader_drop_last", "label_smoothing_factor", "label_names", "remove_unused_columns",
+                 "gradient_accumulation_steps")
 
 
 class Trainer(transformers.Trainer):

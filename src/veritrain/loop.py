@@ -126,10 +126,11 @@ def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
     writer = reader = None
     run_dir, game = auditing(), gaming()
     if game and mode == "verified":
-        reader = _game_init_log(game, rec.bits)
+        reader, engine = _game_init_log(game, engine)
     elif run_dir and mode == "verified":
         try:
             m = store.load_manifest(run_dir)
+            engine = _admitted_engine(m, _audit_options(), engine)
             reader = _init_log_reader(run_dir, m) if m.get("init_log_sha256") else None
         except RunRejected as e:  # an altered manifest or log: a verdict, as on the task path
             _refuse(str(e))
@@ -145,6 +146,20 @@ def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
     if st.closed_log is not None:
         rec.log_sha256 = st.closed_log["sha256"]
     rec.stats = st.stats
+
+
+def _admitted_engine(m: dict, opts: dict, engine: EngineConfig) -> EngineConfig:
+    """The engine the auditor's side replays the initialisation log under: the run's thresholds as the auditor's
+    policy admits them (each within the contract's ceilings) and the policy's slack, as the task path builds its
+    task (AdmittedRun.engine) and as the steps replay. With the defaults instead, a contract's smaller ceilings
+    bounded every step's rounding choices but not the initial weights'. PolicyError (a RunRejected) where the
+    run is outside the policy; Run.steps checks the task against this script's own."""
+    policy = Policy.from_options(contract=opts.get("contract"), root=opts.get("root"))
+    if policy.task is None:
+        policy.task = m.get("task")
+    run = policy.admit(m, build=False)
+    return EngineConfig(mode=engine.mode, bits=engine.bits, seed=engine.seed, thresholds=run.thresholds,
+                        slack=run.slack)
 
 
 def _script_of(frame) -> tuple[str, str]:
@@ -526,22 +541,28 @@ def _game_prover(opts: dict):
     return _provers[where]
 
 
-def _game_init_log(opts: dict, bits: int):
-    """The trainer's initialisation log, for the script's construction under veritrain.init in the game,
-    checked against the hash the prover's manifest commits to (the challenger checks that manifest against
-    the audited run before anything else)."""
+def _game_init_log(opts: dict, engine: EngineConfig):
+    """(The trainer's initialisation log, the engine to replay it under), for the script's construction under
+    veritrain.init in the game, the log checked against the hash the prover's manifest commits to (the
+    challenger checks that manifest against the audited run before anything else). The challenger replays
+    it under its policy's admitted thresholds and slack, as the audit did (_admitted_engine); a manifest
+    outside the policy is the game's to rule on."""
     try:
         prover = _game_prover(opts)
-        want = prover.manifest().get("init_log_sha256")
+        manifest = prover.manifest()
+        want = manifest.get("init_log_sha256")
         raw = prover.init_log() if want else None
     except Exception as e:  # noqa: BLE001 - a prover that cannot answer: no dispute to play
         _refuse(f"the prover did not send the run's initialisation log ({str(e)[:200]})")
+    if opts.get("role") == "challenger" and isinstance(manifest, dict):
+        with contextlib.suppress(RunRejected):
+            engine = _admitted_engine(manifest, opts, engine)
     if raw is None:
-        return None
+        return None, engine
     if hashlib.sha256(raw).hexdigest() != want:
         _refuse("the prover's initialisation log is not the one its manifest commits to")
     try:
-        return StepLogReader(raw, expect_step=0, expect_bits=int(bits))
+        return StepLogReader(raw, expect_step=0, expect_bits=int(engine.bits)), engine
     except LogFormatError as e:
         _refuse(f"the prover's initialisation log is malformed ({e})")
 

@@ -88,14 +88,15 @@ class Policy:
         for k, v in (self.thresholds or {}).items():
             if k not in known:
                 raise RunError(f"{self.source}: unknown threshold class {k!r}; known: {', '.join(known)}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise RunError(f"{self.source}: threshold for {k!r} must be a positive number, got {v!r}")
-            ceilings[k] = float(v)
+            f = _finite(v)
+            if f is None or not f > 0:
+                raise RunError(f"{self.source}: threshold for {k!r} must be a positive number, got {v!r:.40}")
+            ceilings[k] = f
         self.thresholds = ceilings
-        if isinstance(self.slack, bool) or not isinstance(self.slack, (int, float)) \
-                or not (math.isfinite(self.slack) and 1.0 <= self.slack <= 16.0):
-            raise RunError(f"{self.source}: slack must be a number in [1, 16], got {self.slack!r}")
-        self.slack = float(self.slack)
+        slack = _finite(self.slack)
+        if slack is None or not 1.0 <= slack <= 16.0:
+            raise RunError(f"{self.source}: slack must be a number in [1, 16], got {self.slack!r:.40}")
+        self.slack = slack
         g = self.micro_batches  # 1: one micro-batch per step (the run names none)
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_MICRO_BATCHES):
             raise RunError(f"{self.source}: micro_batches must be a whole number in 1..{MAX_MICRO_BATCHES}, got {g!r}")
@@ -211,18 +212,18 @@ class Policy:
         for k, v in manifest["thresholds"].items():
             if k not in thresholds:
                 refuse("thresholds", f"names an unknown class {str(k)[:64]!r}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                refuse("thresholds", f"gives class {k!r} the value {v!r}, not a positive number")
-            thresholds[k] = float(v)
+            f = _finite(v)
+            if f is None or not f > 0:
+                refuse("thresholds", f"gives class {k!r} the value {v!r:.40}, not a positive number")
+            thresholds[k] = f
         for k, v in thresholds.items():
             if v > self.thresholds[k]:
                 refuse("thresholds", f"gives class {k!r} the threshold {v:g}, above the policy's ceiling "
                                      f"{self.thresholds[k]:g} (a larger threshold lets the trainer choose more "
                                      f"results freely)")
         slack = manifest.get("slack", DEFAULT_SLACK)
-        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not math.isfinite(slack) \
-                or not 0 < slack <= self.slack:
-            refuse("slack", f"is {slack!r}, the policy allows at most {self.slack:g}")
+        if _finite(slack) is None or not 0 < _finite(slack) <= self.slack:
+            refuse("slack", f"is {slack!r:.40}, the policy allows at most {self.slack:g}")
         micro = manifest.get("micro_batches", 1)
         if "micro_batches" in manifest and (isinstance(micro, bool) or not isinstance(micro, int)
                                             or not 2 <= micro <= MAX_MICRO_BATCHES):
@@ -250,6 +251,19 @@ class Policy:
                            checkpoint_every=manifest["checkpoint_every"], bits=manifest["bits"],
                            mode=manifest["mode"], thresholds=thresholds, slack=self.slack,
                            initial_state_sha256=self.initial_state_sha256, policy=self, micro_batches=micro)
+
+
+def _finite(v) -> float | None:
+    """``v`` as a finite float; None for a bool, text, NaN, an infinity or an integer too large for a float (the
+    run's JSON holds integers of any size: a threshold or slack of 10**400 made math.isfinite raise
+    OverflowError, and the audit, verify and the game stopped with a traceback instead of a verdict)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def _config_problem(config: dict, defaults: dict) -> str | None:

@@ -193,7 +193,11 @@ def build_initial(ref: str, config: dict, engine: EngineConfig, writer=None, rea
     initialisation draws from the counter-based generator (domain "init"), float ops are rounded to the
     grid, and near-midpoint decisions go to the initialisation log (``writer``) or come from it
     (``reader``). The auditor rebuilds the initial state this way instead of believing the trainer's."""
-    with step_context(engine, 0, writer=writer, reader=reader, domain="init") as mode:
+    # an own loop's task is a view of the state its script built under veritrain.init, which replayed the run's
+    # log (checked against its commitment) there: building the view reads no log (given the log, the build
+    # found it unread, and the game ruled every dispute about a loop's initial state against the trainer)
+    loop = isinstance(ref, str) and ref.startswith("loop:")
+    with step_context(engine, 0, writer=writer, reader=None if loop else reader, domain="init") as mode:
         task = build(ref, config)
     # an own loop's task was built by its script, under veritrain.init with the run's log: its statistics
     task.init_stats = getattr(task, "script_init_stats", None) or mode.stats

@@ -123,6 +123,23 @@ def test_cifar_loader_refuses_pickles_that_would_run_code(tmp_path):
         load_cifar10(str(tmp_path))
 
 
+def test_cifar_augmentation_flips_half_the_images_and_crops_all_nine_offsets():
+    from veritrain.tasks.resnet_cifar10 import augment
+
+    n = 8192
+    ramp = np.arange(1, 33, dtype=np.float32)  # each image rises left to right and top to bottom
+    images = np.broadcast_to(ramp[None, None, None, :] + 100 * ramp[None, None, :, None], (n, 3, 32, 32)).copy()
+    out = augment(images, seed=0, step=3)
+    row = out[:, 0, 16]  # columns 12 and 20 lie inside the image whatever the crop's offset
+    flipped = row[:, 12] > row[:, 20]
+    # 1/2: 4096 +- 45 (1 sigma); a flip with probability 4/9 (one draw in [0, 9) for three) gives about 3641
+    assert 3870 < flipped.sum() < 4322, flipped.sum()
+    # the horizontal offset dx in 0..8 moves column 16 to the image's column 12 + dx (mirrored if flipped)
+    col = np.where(flipped, row[:, 15], row[:, 16]) % 100 - 1
+    assert sorted(set((col - 12).astype(int).tolist())) == list(range(9))
+    assert not np.array_equal(out, augment(images, seed=0, step=4))  # a function of (seed, step)
+
+
 def test_resnet_cifar10_task_on_cifar_files_and_on_digits(tmp_path):
     archive = make_cifar(tmp_path)
     task = build("resnet-cifar10", {"data": str(archive), "width": 8, "batch_size": 4})

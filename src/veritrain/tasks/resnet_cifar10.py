@@ -45,12 +45,14 @@ def load_data(spec):
 def augment(images: np.ndarray, seed: int, step: int) -> np.ndarray:
     """Random 32x32 crops of the 4-padded images, and horizontal flips, from (seed, step)."""
     n = len(images)
-    draws = randomness.integers(seed, step, 3 * n, 0, 9, domain="data/augment").reshape(n, 3)
+    offsets = randomness.integers(seed, step, 2 * n, 0, 9, domain="data/augment").reshape(n, 2)
+    # a flip of its own with probability 1/2 (one draw in [0, 9) for all three flipped 4 of 9 images)
+    flips = randomness.integers(seed, step, n, 0, 2, domain="data/augment/flip")
     padded = np.pad(images, ((0, 0), (0, 0), (4, 4), (4, 4)))
     out = np.empty_like(images)
-    for i, (dy, dx, flip) in enumerate(draws):
+    for i, ((dy, dx), flip) in enumerate(zip(offsets, flips)):
         crop = padded[i, :, dy:dy + 32, dx:dx + 32]
-        out[i] = crop[:, :, ::-1] if flip % 2 else crop
+        out[i] = crop[:, :, ::-1] if flip else crop
     return out
 
 

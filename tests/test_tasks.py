@@ -193,3 +193,39 @@ def test_gpt2_shakespeare_errors_name_key_and_path(shakespeare, override, messag
            "n_head": 2, "max_chars": 5000, **override}
     with pytest.raises(TaskError, match=message):
         build("gpt2-shakespeare", cfg)
+
+
+RANGED_TASKS = {"digits-cnn": "digits_cnn", "gpt2-text": "gpt2_text", "gpt2-shakespeare": "gpt2_shakespeare",
+                "resnet-cifar10": "resnet_cifar10"}
+
+
+def _outside(interval: str, default):
+    """Values just outside an interval as ``check_ranges`` reads it, of the default's type, and non-finite ones."""
+    low, high = (float(b) for b in interval[1:-1].split(","))
+    cast = type(default)
+    out = [cast(low) if interval[0] == "(" else cast(low) - (1 if cast is int else 1e-9)]
+    if high != float("inf"):
+        out.append(cast(high) if interval[-1] == ")" else cast(high) + (1 if cast is int else 1e-9))
+    if cast is float:
+        out += [float("nan"), float("inf")]
+    return out
+
+
+@pytest.mark.parametrize("task", sorted(RANGED_TASKS))
+def test_a_config_that_builds_but_means_nothing_is_refused_naming_the_key(task):
+    """seq_len 0, dropout 1 or NaN, a learning rate of inf, no held-out data: each built a task (some trained
+    to NaN or to nothing) with no error. Each is refused before any data is read, naming the key."""
+    import importlib
+
+    from veritrain.task import build
+
+    mod = importlib.import_module(f"veritrain.tasks.{RANGED_TASKS[task]}")
+    assert mod.RANGES and set(mod.RANGES) <= set(mod.DEFAULTS)
+    for key, interval in mod.RANGES.items():
+        default = mod.DEFAULTS[key]
+        for bad in _outside(interval, default):
+            with pytest.raises(TaskError, match=f"{task}: config '{key}' = .* is outside "):
+                build(task, {key: bad})
+    if task.startswith("gpt2"):
+        with pytest.raises(TaskError, match="'n_embd' .* not a multiple of 'n_head'"):
+            build(task, {"n_embd": 30, "n_head": 4})

@@ -13,7 +13,8 @@ slack, initial state — comes from the auditor's own **policy**: a contract the
                          the auditor runs is hashed and compared)
     config, seed,        contract (else: the run's, for a task the        refused
     steps, every, bits,  auditor admitted; a config of its task's keys,
-    mode                 each of its default's type, that builds)
+    mode                 each of its default's type and, for a built-in
+                         task, inside its range (RANGES), that builds)
     thresholds           ceilings: contract, else rules.DEFAULT_THRESHOLDS refused (a larger threshold makes
                                                                           more results free value entries)
     slack                the policy's (default 2.0); the run's may only    refused; the auditor checks with

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -203,6 +204,19 @@ def build(ref: str, config: dict) -> Task:
         raise TaskError(f"task function {resolve(ref)} returned {type(task).__name__}, not veritrain.Task")
     normalize_optimizer(task.optimizer)
     return task
+
+
+def check_ranges(task: str, cfg: dict, ranges: dict):
+    """Each numeric setting of a built-in task inside its range, an interval as written in ``ranges``
+    ("[1, inf)", "[0, 1)"; a bound "inf" admits finite values only): a config that builds and trains but means
+    nothing (seq_len 0, a learning rate of inf, NaN dropout, no held-out data) is refused, naming the key."""
+    for key, interval in ranges.items():
+        v = cfg[key]
+        low, high = (float(b) for b in interval[1:-1].split(","))
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+              and (v >= low if interval[0] == "[" else v > low) and (v <= high if interval[-1] == "]" else v < high))
+        if not ok:
+            raise TaskError(f"{task}: config {key!r} = {v!r} is outside {interval}")
 
 
 def normalize_optimizer(optimizer):

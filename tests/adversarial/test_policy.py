@@ -43,9 +43,10 @@ def edit_manifest(run, **fields):
     ({"batch_size": "64"}, "not of the type of the task's default 64"),
     ({"bogus": 1}, "names keys the task does not have"),
     ({"lr": float("nan")}, "not of the type of the task's default 0.003"),
-    ({"width": -3}, "the run's config does not build its task (RuntimeError"),
+    ({"width": -3}, "the run's config does not build its task (TaskError: digits-cnn: config 'width' = -3"),
+    ({"held_out": 0}, "config 'held_out' = 0 is outside [1, inf)"),
     ({"batch_size": 10**7}, "step 0: the step fails from the run's committed state (ValueError"),
-], ids=["width 16.9", "batch size as text", "unknown key", "lr NaN", "negative width", "a batch of 10**7"])
+], ids=["width 16.9", "batch size as text", "unknown key", "lr NaN", "negative width", "no held-out data", "a batch of 10**7"])
 def test_a_runs_own_config_must_be_one_its_task_builds(honest, tmp_path, edit, reason):
     """Without a contract the auditor takes a built-in task's config from the run. The built-in tasks convert
     with int() and float(): a width of 16.9 built the model of 16, so the audit ACCEPTED a run whose committed

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from veritrain import randomness
-from veritrain.task import Task, TaskError, current_device
+from veritrain.task import Task, TaskError, check_ranges, current_device
 
 DEFAULTS = {
     "optimizer": "adamw",  # or "sgd" (momentum 0.9)
@@ -25,6 +25,8 @@ DEFAULTS = {
     "data_seed": 0,
     "held_out": 297,  # the last examples of the data set
 }
+RANGES = {"lr": "[0, inf)", "weight_decay": "[0, inf)", "batch_size": "[1, inf)", "width": "[1, inf)",
+          "dropout": "[0, 1)", "held_out": "[1, inf)"}
 
 
 class DigitsCNN(nn.Module):
@@ -67,6 +69,7 @@ def make_task(config: dict) -> Task:
     unknown = set(config) - set(DEFAULTS)
     if unknown:
         raise TaskError(f"digits-cnn: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    check_ranges("digits-cnn", cfg, RANGES)
     images, labels = load_digits_arrays()
     n_train = len(images) - int(cfg["held_out"])
     if n_train <= 0 or int(cfg["batch_size"]) <= 0:

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from veritrain import randomness
-from veritrain.task import Task, TaskError, current_device
-from veritrain.tasks.gpt2_text import load_bpe_tokenizer, read_corpus
+from veritrain.task import Task, TaskError, check_ranges, current_device
+from veritrain.tasks.gpt2_text import RANGES as TEXT_RANGES, check_heads, load_bpe_tokenizer, read_corpus
 
 DEFAULTS = {
     "corpus": None,        # path to a text file (required)
@@ -41,6 +41,8 @@ DEFAULTS = {
     "init_seed": 0,
     "data_seed": 0,
 }
+RANGES = {**{k: v for k, v in TEXT_RANGES.items() if k in DEFAULTS}, "warmup_steps": "[0, inf)",
+          "schedule_steps": "[1, inf)", "eval_windows": "[1, inf)"}
 
 
 def load_tokenizer(spec):
@@ -101,6 +103,8 @@ def make_task(config: dict) -> Task:
     if unknown:
         raise TaskError(f"gpt2-shakespeare: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     cfg = {**DEFAULTS, **config}
+    check_ranges("gpt2-shakespeare", cfg, RANGES)
+    check_heads("gpt2-shakespeare", cfg)
     text = read_corpus(cfg["corpus"], int(cfg["max_chars"]))
     tok = load_tokenizer(cfg["tokenizer"])
     tokens = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)

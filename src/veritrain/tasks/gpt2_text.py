@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from veritrain import randomness
-from veritrain.task import Task, TaskError, current_device
+from veritrain.task import Task, TaskError, check_ranges, current_device
 
 DEFAULTS = {
     "corpus": None,       # path to a UTF-8 text file (required)
@@ -36,6 +36,14 @@ DEFAULTS = {
     "data_seed": 0,
     "held_out_fraction": 0.1,
 }
+RANGES = {"max_chars": "[0, inf)", "n_layer": "[1, inf)", "n_embd": "[1, inf)", "n_head": "[1, inf)",
+          "seq_len": "[1, inf)", "batch_size": "[1, inf)", "dropout": "[0, 1)", "lr": "[0, inf)",
+          "weight_decay": "[0, inf)", "clip_grad_norm": "[0, inf)", "held_out_fraction": "(0, 1)"}
+
+
+def check_heads(task: str, cfg: dict):
+    if int(cfg["n_embd"]) % int(cfg["n_head"]):
+        raise TaskError(f"{task}: config 'n_embd' ({cfg['n_embd']}) is not a multiple of 'n_head' ({cfg['n_head']})")
 
 
 MAX_CORPUS_BYTES = 1 << 30
@@ -119,6 +127,8 @@ def make_task(config: dict) -> Task:
     if unknown:
         raise TaskError(f"gpt2-text: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     cfg = {**DEFAULTS, **config}
+    check_ranges("gpt2-text", cfg, RANGES)
+    check_heads("gpt2-text", cfg)
     tokens, vocab = tokenize(read_corpus(cfg["corpus"], int(cfg["max_chars"])), str(cfg["tokenizer"]))
     seq, bs = int(cfg["seq_len"]), int(cfg["batch_size"])
     n_test = int(len(tokens) * float(cfg["held_out_fraction"]))

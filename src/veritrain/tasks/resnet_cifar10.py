@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from veritrain import randomness
-from veritrain.task import Task, TaskError, current_device
+from veritrain.task import Task, TaskError, check_ranges, current_device
 from veritrain.tasks.cifar import digits_as_cifar, load_cifar10, normalize
 from veritrain.tasks.resnet import resnet18, resnet50
 
@@ -31,6 +31,8 @@ DEFAULTS = {
     "init_seed": 0,
     "data_seed": 0,
 }
+RANGES = {"width": "[1, inf)", "batch_size": "[1, inf)", "lr": "[0, inf)", "momentum": "[0, inf)",
+          "weight_decay": "[0, inf)", "train_examples": "[0, inf)", "eval_examples": "[1, inf)"}
 
 
 def load_data(spec):
@@ -61,6 +63,7 @@ def make_task(config: dict) -> Task:
     if unknown:
         raise TaskError(f"resnet-cifar10: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     cfg = {**DEFAULTS, **config}
+    check_ranges("resnet-cifar10", cfg, RANGES)
     x_train, y_train, x_test, y_test = load_data(cfg["data"])
     if int(cfg["train_examples"]) > 0:
         x_train, y_train = x_train[: int(cfg["train_examples"])], y_train[: int(cfg["train_examples"])]

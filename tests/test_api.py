@@ -71,3 +71,18 @@ def test_dispute_of_an_honest_run_and_the_cli_prints_the_api_result(tmp_path):
     assert isinstance(d, veritrain.DisputeResult) and d.verdict == "no_dispute" and d.as_dict()["verdict"] == "no_dispute"
     p = cli("verify", out, "--json", check=0)
     assert json.loads(p.stdout) == veritrain.verify(out).as_dict()
+
+
+def test_a_task_or_device_beside_an_own_loops_script_is_refused_not_ignored(tmp_path):
+    """An own loop's replay runs its script, which builds and places its model: ``task=`` and ``device=`` beside
+    ``command=`` were dropped without a word (the audit replayed the script's model on the CPU)."""
+    from conftest import cli
+
+    script = ["python", str(tmp_path / "train.py")]  # never run: refused before anything is read
+    for kwargs, message in (({"task": "digits-cnn"}, "names its task itself"), ({"device": "cuda"}, "does not apply")):
+        with pytest.raises(ValueError, match=message):
+            veritrain.audit(str(tmp_path / "run"), command=script, **kwargs)
+        with pytest.raises(ValueError, match=message):
+            veritrain.dispute(str(tmp_path / "run"), str(tmp_path / "audit"), command=script, **kwargs)
+    p = cli("audit", tmp_path / "run", "--task", "digits-cnn", "--", *script)  # (a CUDA device is checked before)
+    assert p.returncode == 2 and "names its task itself" in p.stderr and "Traceback" not in p.stderr, p.stderr

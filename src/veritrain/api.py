@@ -122,6 +122,16 @@ def train(task, out: str, *, steps: int = 20, checkpoint_every: int = 10, bits: 
                        evaluation=m.get("evaluation"), next_command=f"veritrain audit {shlex.quote(out)}", manifest=m)
 
 
+def check_script_options(task, device):
+    """An own loop's replay runs its script, which builds its model and places it: a task or device given
+    beside the script would be ignored, so it is refused rather than taken silently."""
+    if task is not None:
+        raise ValueError("an own loop's script names its task itself: give the script (command) or a task, not both")
+    if not str(device).startswith("cpu"):
+        raise ValueError(f"device {str(device)!r} does not apply to an own loop's replay: its script places its "
+                         "model itself")
+
+
 def audit(run_dir: str, *, task=None, contract: str | None = None, root: str | None = None, out: str | None = None,
           intervals=None, sample: int | None = None, sample_seed: int | None = None, device: str = "cpu",
           progress: bool = False, command: list[str] | None = None) -> AuditResult:
@@ -133,6 +143,8 @@ def audit(run_dir: str, *, task=None, contract: str | None = None, root: str | N
         raise ValueError("use either intervals or sample, not both")
     if command is not None:
         from .loop import audit_script
+
+        check_script_options(task, device)
 
         if isinstance(intervals, (list, tuple)):
             intervals = ",".join(str(i) for i in intervals)
@@ -193,8 +205,7 @@ def dispute(prover: str, audit_dir: str, *, root: str | None = None, task=None, 
     if command is not None:
         from .loop import dispute_script
 
-        if task is not None:
-            raise ValueError("an own loop's script names its task itself: give command or task, not both")
+        check_script_options(task, device)
         return _dispute_result(dispute_script(prover, audit_dir, list(command), root=root, contract=contract,
                                               timeout=timeout))
     p = os.path.join(audit_dir, "audit.json")

@@ -601,7 +601,10 @@ def _audit(args) -> int:
         raise ValueError("use either --intervals or --sample, not both")
     command = args.command_line
     if command:
+        from .api import check_script_options
         from .loop import audit_script
+
+        check_script_options(getattr(args, "policy_task", None), args.device)
 
         r = audit_script(args.run_dir, command, out=args.out, intervals=args.intervals, sample=args.sample,
                          sample_seed=args.seed, root=args.root, contract=args.contract, quiet=args.quiet)

@@ -104,6 +104,7 @@ def test_other_settings_in_the_auditors_script_are_refused(trained):
     d, script, run = trained
     p = cli("audit", run, "--quiet", "--", sys.executable, d / "train.py", run, env={"LR": "2e-3"}, cwd=d)
     assert p.returncode == 1 and "'config'" in p.stderr and "REJECT" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
 
 
 def test_an_edited_script_is_refused(trained, tmp_path):

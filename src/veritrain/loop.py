@@ -92,10 +92,13 @@ def _audit_options() -> dict:
 
 
 def _refuse(reason: str):
-    """Auditor: the run is refused before any replay; tell ``veritrain audit`` (if it started us) and stop."""
+    """Auditor: the run is refused before any replay; tell ``veritrain audit`` (if it started us) and stop.
+    Started by it, the script exits with status 1 and no traceback: the verdict is ``veritrain audit``'s to
+    print (the script's traceback, printed above it, read as a crash of the audit)."""
     path = (gaming() or _audit_options()).get("result")
     if path:
         store.write_json_atomic(path, {"refused": True, "accepted": False, "reasons": [reason]})
+        raise SystemExit(1)
     raise RunRejected(reason)
 
 

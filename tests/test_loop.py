@@ -397,3 +397,34 @@ def test_the_game_on_a_loops_initial_state_blames_the_side_that_is_wrong(tmp_pat
     p = cli("dispute", d / "run", d / "audit", "--json", "--", sys.executable, d / "train.py", d / "run", cwd=d)
     v = json.loads(p.stdout)
     assert v["verdict"] == "auditor_wrong", (v, p.stderr[-2000:])
+
+
+def test_an_own_loop_declares_smaller_thresholds_and_passes_a_contract_with_smaller_ceilings(tmp_path):
+    """A client's contract may set smaller threshold ceilings than the defaults. An own loop had no way to
+    train under them (Run and init took no thresholds and recorded the defaults), so the auditor refused every
+    honest own-loop run under such a contract. Now the script gives them to both, and init and Run must agree."""
+    d = tmp_path
+    script = CANCELLING_INIT.replace("import veritrain\n", "import json, os, veritrain\n"
+                                     "T = json.loads(os.environ.get('T', 'null'))\nI = json.loads(os.environ.get('I', 'null'))\n")
+    script = script.replace("veritrain.init(seed=0)", "veritrain.init(seed=0, thresholds=I or T)")
+    script = script.replace("checkpoint_every=1, init=init)", "checkpoint_every=1, init=init, thresholds=T)")
+    (d / "train.py").write_text(script)
+    from veritrain import rules
+
+    small = {k: v / 4 for k, v in rules.DEFAULT_THRESHOLDS.items()}
+    contract = d / "contract.json"
+    contract.write_text(json.dumps({"format": "veritrain-contract/1", "thresholds": small}))
+    p = python(d / "train.py", d / "default", cwd=d)
+    assert p.returncode == 0, p.stderr
+    r, _ = audit(d, d / "default", "--contract", contract)  # the defaults: beyond the contract's ceilings
+    assert not r["accepted"] and r["refused"] and any("thresholds" in x for x in r["reasons"]), r
+    p = python(d / "train.py", d / "small", env={"T": json.dumps(small)}, cwd=d)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((d / "small" / "manifest.json").read_text())["thresholds"] == small
+    r, _ = audit(d, d / "small", "--contract", contract, env={"T": json.dumps(small)})
+    assert r["accepted"], r["reasons"]
+    p = python(d / "train.py", d / "mixed", env={"T": json.dumps(small), "I": json.dumps(rules.DEFAULT_THRESHOLDS)},
+               cwd=d)
+    assert p.returncode != 0 and "veritrain.init used other thresholds than the run's" in p.stderr, p.stderr
+    p = python(d / "train.py", d / "bad", env={"T": json.dumps({"elementwise": -1.0})}, cwd=d)
+    assert p.returncode != 0 and "thresholds: threshold for class 'elementwise' must be a positive" in p.stderr

@@ -51,14 +51,14 @@ RECORDED_ARGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "a
 class Trainer(transformers.Trainer):
     """A ``transformers.Trainer`` whose ``train()`` is a verifiable run (module docstring). ``run_dir``: the
     run folder (a killed run there resumes when the script runs again); ``checkpoint_every``, ``bits``,
-    ``mode``, ``init`` (what ``veritrain.init`` yielded) and ``config`` (more settings to record) are
-    ``veritrain.Run``'s. The step is the Trainer's (see ``task``)."""
+    ``mode``, ``init`` (what ``veritrain.init`` yielded), ``thresholds`` and ``config`` (more settings to
+    record) are ``veritrain.Run``'s. The step is the Trainer's (see ``task``)."""
 
     def __init__(self, *args, run_dir: str, checkpoint_every: int = 100, bits: int = 32, mode: str = "verified",
-                 init=None, config: dict | None = None, **kwargs):
+                 init=None, thresholds: dict | None = None, config: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.veritrain_options = {"run_dir": run_dir, "checkpoint_every": checkpoint_every, "bits": bits,
-                                  "mode": mode, "init": init, "config": dict(config or {})}
+                                  "mode": mode, "init": init, "thresholds": thresholds, "config": dict(config or {})}
         self.veritrain_run = None
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -76,7 +76,7 @@ class Trainer(transformers.Trainer):
         recorded = {k: _json_value(getattr(self.args, k)) for k in RECORDED_ARGS if hasattr(self.args, k)}
         run = Run(o["run_dir"], self.model, self.optimizer, scheduler=self.lr_scheduler, seed=self.args.seed,
                   checkpoint_every=o["checkpoint_every"], bits=o["bits"], mode=o["mode"], init=o["init"],
-                  config={"training_args": recorded, **o["config"]})
+                  thresholds=o["thresholds"], config={"training_args": recorded, **o["config"]})
         self.veritrain_run = run
         losses = []
         for step, batch in run.steps(loader, self.args.max_steps):

@@ -109,6 +109,7 @@ class Initialization:
     seed: int
     bits: int
     mode: str
+    thresholds: dict = field(default_factory=dict)
     log_path: str | None = None
     log_sha256: str | None = None
     stats: object = None
@@ -116,16 +117,17 @@ class Initialization:
 
 
 @contextlib.contextmanager
-def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
+def init(seed: int = 0, bits: int = 32, mode: str = "verified", thresholds: dict | None = None):
     """Build the model (and optimizer) inside this block so that every machine builds the same initial
     weights: random initialisation draws from the counter-based generator (domain "init"), float ops are
     computed in float64 and rounded to the grid, and near-midpoint decisions go to an initialisation log
-    (the trainer's) or come from the audited run's. Pass what it yields to ``Run(..., init=...)``."""
+    (the trainer's) or come from the audited run's. Pass what it yields to ``Run(..., init=...)``, with the
+    same ``thresholds`` (smaller than the defaults where an auditor's contract sets smaller ceilings)."""
     if mode not in LOOP_MODES:
         raise RunError(f"mode must be one of {', '.join(LOOP_MODES)}, got {mode!r}")
     hardware.apply_process_settings()
-    rec = Initialization(seed=int(seed), bits=int(bits), mode=mode)
-    engine = EngineConfig(mode=mode, bits=rec.bits, seed=rec.seed)
+    engine = EngineConfig(mode=mode, bits=int(bits), seed=int(seed), thresholds=_thresholds_arg(thresholds, "init"))
+    rec = Initialization(seed=engine.seed, bits=engine.bits, mode=mode, thresholds=engine.thresholds)
     writer = reader = None
     run_dir, game = auditing(), gaming()
     if game and mode == "verified":
@@ -149,6 +151,14 @@ def init(seed: int = 0, bits: int = 32, mode: str = "verified"):
     if st.closed_log is not None:
         rec.log_sha256 = st.closed_log["sha256"]
     rec.stats = st.stats
+
+
+def _thresholds_arg(thresholds, where: str) -> dict:
+    """The per-class thresholds a script gives (None: the defaults), checked as the engine checks them."""
+    try:
+        return EngineConfig(thresholds=dict(thresholds or {})).thresholds
+    except (TypeError, ValueError) as e:
+        raise RunError(f"{where}: thresholds: {e}") from None
 
 
 def _admitted_engine(m: dict, opts: dict, engine: EngineConfig) -> EngineConfig:
@@ -205,7 +215,8 @@ class Run:
 
     def __init__(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler=None,
                  seed: int = 0, checkpoint_every: int = 100, bits: int = 32, mode: str = "verified",
-                 config: dict | None = None, init: Initialization | None = None, quiet: bool = False):
+                 config: dict | None = None, init: Initialization | None = None, thresholds: dict | None = None,
+                 quiet: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TaskError(f"Run: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -220,6 +231,10 @@ class Run:
             raise RunError("Run: bits must be in 23..32 and checkpoint_every positive")
         if init is not None and (init.bits, init.mode) != (int(bits), mode):
             raise RunError(f"Run: veritrain.init used bits={init.bits}, mode={init.mode}; the run bits={bits}, mode={mode}")
+        self.thresholds = _thresholds_arg(thresholds, "Run")
+        if init is not None and init.thresholds != self.thresholds:  # the auditor replays both under the run's
+            raise RunError(f"Run: veritrain.init used other thresholds than the run's ({init.thresholds} against "
+                           f"{self.thresholds}): give both the same")
         try:
             self.config = json.loads(json.dumps(config or {}))  # as the manifest will hold it
         except (TypeError, ValueError) as e:
@@ -354,9 +369,8 @@ class _Recording(Run):
 
     def _begin(self, steps: int):
         _check_new_run_dir(self.path)
-        engine = EngineConfig(mode=self.mode, bits=self.bits, seed=self.seed)
-        self._thresholds = engine.thresholds
-        m = self._manifest(steps, engine.thresholds)
+        self._thresholds = self.thresholds
+        m = self._manifest(steps, self.thresholds)
         os.makedirs(self.path, exist_ok=True)
         m["init_log_sha256"] = None
         if self.init is not None and self.init.log_path:
@@ -376,7 +390,8 @@ class _Recording(Run):
         if m.get("complete"):
             raise RunError(f"{self.path} is a complete run; choose a new path (nothing was overwritten)")
         mine = {"task": self.task, "task_source_sha256": self.source_sha256, "config": self.config, "seed": self.seed,
-                "mode": self.mode, "bits": self.bits, "steps": steps, "checkpoint_every": self.checkpoint_every}
+                "mode": self.mode, "bits": self.bits, "steps": steps, "checkpoint_every": self.checkpoint_every,
+                "thresholds": self.thresholds}
         diff = [k for k, v in mine.items() if m.get(k) != v]
         if diff:
             raise RunError(f"{self.path} holds an unfinished run with other {', '.join(diff)}; resume it with the "

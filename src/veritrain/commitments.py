@@ -26,6 +26,7 @@ import torch
 
 STATE_TAG = b"veritrain-state/1\0"
 BATCH_TAG = b"veritrain-batch/1\0"
+DATA_TAG = b"veritrain-data/1\0"
 
 
 def canonical_json(obj) -> bytes:
@@ -115,3 +116,21 @@ def batch_hash(batch) -> str:
             k = keystr(path).encode()
             h.update(struct.pack("<I", len(k)) + k + b"\xff" + struct.pack("<Q", len(m)) + m)
     return h.hexdigest()
+
+
+def data_hash(parts) -> str:
+    """The data a task read for one config setting, as (name, bytes) parts in the task's order (a corpus: one
+    file; a data set: its files by their names, whatever holds them, an archive or a folder)."""
+    h = hashlib.sha256(DATA_TAG)
+    for name, raw in parts:
+        b = name.encode()
+        h.update(struct.pack("<I", len(b)) + b + struct.pack("<Q", len(raw)))
+        h.update(raw)
+    return h.hexdigest()
+
+
+def is_digest_map(d) -> bool:
+    """A task's or a run's data_sha256: config keys to lowercase SHA-256 hex digests."""
+    return isinstance(d, dict) and len(d) <= 64 and all(
+        isinstance(k, str) and len(k) <= 256 and isinstance(v, str) and len(v) == 64
+        and all(c in "0123456789abcdef" for c in v) for k, v in d.items())

@@ -36,6 +36,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from .commitments import is_digest_map
 from .store import FORMAT, MAX_MICRO_BATCHES, RunError, RunRejected
 
 CONTRACT_FORMAT = "veritrain-contract/1"
@@ -44,7 +45,7 @@ MODES = ("verified", "nolog", "fp64", "fp32")
 # pinned fields and their types (a contract may pin any of them; absent = the default policy)
 PINNABLE = {"task": str, "task_source_sha256": str, "config": dict, "seed": int, "steps": int,
             "checkpoint_every": int, "bits": int, "mode": str, "thresholds": dict, "slack": (int, float),
-            "initial_state_sha256": str, "root": str, "micro_batches": int}
+            "initial_state_sha256": str, "root": str, "micro_batches": int, "data_sha256": dict}
 MAX_STEPS = 1 << 40
 
 
@@ -81,6 +82,7 @@ class Policy:
     initial_state_sha256: str | None = None
     root: str | None = None
     micro_batches: int | None = None  # data-parallel runs: micro-batches per step (1: none)
+    data_sha256: dict | None = None  # the data files' hashes (Task.data_sha256), by config key
     source: str = "default policy"  # where it came from, for messages
 
     def __post_init__(self):
@@ -103,6 +105,8 @@ class Policy:
             raise RunError(f"{self.source}: micro_batches must be a whole number in 1..{MAX_MICRO_BATCHES}, got {g!r}")
         if self.mode is not None and self.mode not in MODES:
             raise RunError(f"{self.source}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.data_sha256 is not None and not is_digest_map(self.data_sha256):
+            raise RunError(f"{self.source}: data_sha256 must map config keys to SHA-256 hex digests")
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -234,6 +238,11 @@ class Policy:
         init = manifest.get("initial_state_sha256")
         if self.initial_state_sha256 is not None and init != self.initial_state_sha256:
             refuse("initial_state_sha256", f"is {str(init)[:64]!r}, the policy pins {self.initial_state_sha256!r}")
+        data = manifest.get("data_sha256")
+        if "data_sha256" in manifest and not is_digest_map(data):
+            refuse("data_sha256", f"is {str(data)[:80]!r}, not a map of config keys to SHA-256 digests")
+        if self.data_sha256 is not None and data != self.data_sha256:
+            refuse("data_sha256", f"is {str(data)[:300]!r}, the policy pins {self.data_sha256!r} (other data)")
         config = manifest["config"]
         if self.config is not None and build:
             from .task import default_config
@@ -251,7 +260,8 @@ class Policy:
         return AdmittedRun(task=task, config=config, seed=manifest["seed"], steps=manifest["steps"],
                            checkpoint_every=manifest["checkpoint_every"], bits=manifest["bits"],
                            mode=manifest["mode"], thresholds=thresholds, slack=self.slack,
-                           initial_state_sha256=self.initial_state_sha256, policy=self, micro_batches=micro)
+                           initial_state_sha256=self.initial_state_sha256, policy=self, micro_batches=micro,
+                           data_sha256=data)
 
 
 def _finite(v) -> float | None:
@@ -312,6 +322,7 @@ class AdmittedRun:
     initial_state_sha256: str | None
     policy: Policy
     micro_batches: int = 1
+    data_sha256: dict | None = None  # the run's (admitted: the policy's where it pins them)
 
     def engine(self):
         from .engine import EngineConfig
@@ -374,4 +385,4 @@ def trusted(manifest: dict) -> AdmittedRun:
                        thresholds={**DEFAULT_THRESHOLDS, **manifest["thresholds"]},
                        slack=float(manifest.get("slack", DEFAULT_SLACK)), initial_state_sha256=None,
                        policy=Policy(source="the run's own manifest"),
-                       micro_batches=int(manifest.get("micro_batches", 1)))
+                       micro_batches=int(manifest.get("micro_batches", 1)), data_sha256=manifest.get("data_sha256"))

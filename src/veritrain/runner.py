@@ -204,6 +204,14 @@ def build_initial(ref: str, config: dict, engine: EngineConfig, writer=None, rea
     return task
 
 
+def _check_same_data(m: dict, task: Task):
+    """A trainer's process (resuming, or a rank beside rank 0) read the data the run commits to."""
+    problem = store.data_problem(m.get("data_sha256"), task.data_sha256)
+    if problem:
+        raise RunError(f"{problem}: this process read other data than the run started from (a changed file, or "
+                       f"another copy on this machine); give it the run's data")
+
+
 def _init_log_reader(run_dir: str, m: dict) -> StepLogReader:
     """The run's initialisation log, checked against the hash the manifest commits to."""
     p = os.path.join(run_dir, INIT_LOG)
@@ -264,6 +272,7 @@ def _resume_from_rank0(device):
     finally:
         if reader is not None:
             reader.close()
+    _check_same_data(m, task)
     _prepare_model(task, m["mode"], Grid(int(m["bits"])))
     place_task(task, device)
     with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
@@ -288,6 +297,7 @@ def _resume_here(opts: TrainOptions, device):
     finally:
         if reader is not None:
             reader.close()
+    _check_same_data(m, task)
     grid = Grid(int(m["bits"]))
     _prepare_model(task, m["mode"], grid)
     place_task(task, device)
@@ -448,6 +458,7 @@ def _train(opts: TrainOptions, device, probe) -> dict:
             finally:
                 if reader is not None:
                     reader.close()
+            _check_same_data(m, task)
             _prepare_model(task, mode, Grid(bits))
             place_task(task, device)
         elif size > 1 and mode == "verified":
@@ -555,6 +566,8 @@ def _start_run(opts: TrainOptions, config: dict, engine: EngineConfig, device):
             shutil.rmtree(opts.out, ignore_errors=True)
         raise
     m = _new_manifest(opts, config, engine)
+    if task.data_sha256:  # what the task read for its data settings (a path names no content)
+        m["data_sha256"] = dict(task.data_sha256)
     m["init_log_sha256"] = init_log["sha256"] if init_log else None
     digest = save_checkpoint(os.path.join(opts.out, ckpt_name(0)), task.model, task.optimizer, task.scheduler, 0)
     m["checkpoints"].append({"step": 0, "file": ckpt_name(0), "state_sha256": digest,
@@ -705,6 +718,7 @@ def _audit(run_dir, out_dir, progress, probe, intervals, sample, sample_seed, ro
     policy = policy or Policy.from_options(root=root)
     m = load_manifest(run_dir)
     run = policy.admit(m)
+    _refuse_data_inside(run_dir, run)
     rank, size = parallel.world()
     if size > 1:  # an audit on several processes: each replays its share of every step's micro-batches
         if run.micro_batches == 1:
@@ -833,9 +847,18 @@ def _add_freedom(total: dict, more: dict) -> dict:
 def unverified_fields(m: dict) -> dict:
     """Manifest fields that no commitment covers (the trainer may have written anything there): shown
     as the trainer's claims, never as audited facts. ``veritrain eval`` recomputes the evaluation."""
-    committed = set(store.RUN_FIELDS) | {"micro_batches", "checkpoints", "leaves", "root", "manifest_sha256", "steps_completed",
+    committed = set(store.RUN_FIELDS) | {"micro_batches", "data_sha256", "checkpoints", "leaves", "root", "manifest_sha256", "steps_completed",
                                          "complete"}
     return {k: v for k, v in m.items() if k not in committed}
+
+
+def _refuse_data_inside(run_dir: str, run: AdmittedRun):
+    """The auditor reads its own copy of the data: a config naming a file in the run folder (a relative path
+    read from inside it, say) would have it train on what the trainer shipped."""
+    inside = store.config_paths_inside(run_dir, run.config)
+    if inside:
+        raise RunRejected(f"config {inside[0]!r} names {str(run.config[inside[0]])[:200]!r}, inside the run folder: "
+                          f"the trainer's own copy, not the auditor's (give the data's path outside the run)")
 
 
 def _rebuild_initial_state(run_dir: str, m: dict, run: AdmittedRun, engine: EngineConfig):
@@ -852,6 +875,11 @@ def _rebuild_initial_state(run_dir: str, m: dict, run: AdmittedRun, engine: Engi
     finally:
         if reader is not None:
             reader.close()
+    problem = store.data_problem(run.data_sha256, task.data_sha256)
+    if problem:  # the auditor's copy of the data is not what the run (or the contract) commits to
+        if run.policy.data_sha256 is not None:
+            raise RunError(f"the auditor's data: {store.data_problem(run.policy.data_sha256, task.data_sha256, 'the contract')}")
+        raise RunRejected(f"data: {problem}: the run was trained on other data than the auditor's copy")
     _prepare_model(task, run.mode, Grid(run.bits))
     reasons = []
     if task.init_stats.suspicious_count:
@@ -1146,6 +1174,7 @@ def _evaluate_run(run_dir, step, policy, device) -> dict:
     m = load_manifest(run_dir)
     policy = policy or Policy()
     run = policy.admit(m)
+    _refuse_data_inside(run_dir, run)
     states = committed_states(m, policy.root or m.get("root"))
     if step is None:
         step = max(states)

@@ -403,7 +403,33 @@ def run_description(manifest: dict) -> dict:
     d = {k: manifest.get(k) for k in RUN_FIELDS}
     if "micro_batches" in manifest:  # data-parallel runs only, so that other runs keep their run hash
         d["micro_batches"] = manifest["micro_batches"]
+    if "data_sha256" in manifest:  # runs of tasks that read data files (Task.data_sha256)
+        d["data_sha256"] = manifest["data_sha256"]
     return d
+
+
+def config_paths_inside(run_dir: str, config: dict) -> list[str]:
+    """The config keys whose value names a file or folder inside the run folder (as this process resolves
+    it: a relative path against its working directory)."""
+    base, inside = os.path.realpath(run_dir), []
+    for key, v in sorted(config.items()):
+        if isinstance(v, str) and v and os.path.exists(os.path.expanduser(v)):
+            p = os.path.realpath(os.path.expanduser(v))
+            if p == base or p.startswith(base + os.sep):
+                inside.append(key)
+    return inside
+
+
+def data_problem(committed, mine, whose: str = "the run") -> str | None:
+    """Why a task built here (its Task.data_sha256, ``mine``) did not read the data ``whose`` commits to
+    (``committed``, by config key); None where it did. A run without data hashes (an own loop, a task that
+    reads no files) commits to none, and a build without them is checked by the run's batch hashes alone."""
+    committed, mine = committed or {}, mine or {}
+    for key in sorted(set(committed) | set(mine)):
+        if committed.get(key) != mine.get(key):
+            return (f"config {key!r}: the data read here hashes to {str(mine.get(key))[:16]}…, {whose} commits to "
+                    f"{str(committed.get(key))[:16]}… (other data)")
+    return None
 
 
 def micro_batches(manifest: dict) -> int:

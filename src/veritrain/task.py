@@ -38,6 +38,8 @@ class Task:
     accumulation) and returns the loss. The scheduler, if any, is stepped after each step.
     ``evaluate(model) -> dict`` optionally reports a metric on held-out data.
     ``batch_indices(step)`` optionally names the examples a step consumes (for the run's data records).
+    ``data_sha256`` optionally maps config keys that name data files to a hash of the bytes read for each
+    (``commitments.data_hash``): a run commits to it, and an auditor whose own copy hashes otherwise refuses.
 
     Devices (``--device cpu|cuda[:N]``): build everything on the CPU, as usual. veritrain builds the task
     on the CPU (so the initial state is the same everywhere), then moves the model's parameters and
@@ -54,6 +56,7 @@ class Task:
     scheduler: Any = None
     evaluate: Callable[[torch.nn.Module], dict] | None = None
     batch_indices: Callable[[int], list] | None = None
+    data_sha256: dict | None = None
 
     def __post_init__(self):
         if (self.loss is None) == (self.train_step is None):
@@ -64,6 +67,10 @@ class Task:
             raise TaskError(f"Task.optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
         if not callable(self.batch):
             raise TaskError("Task.batch must be callable as batch(step)")
+        from .commitments import is_digest_map
+
+        if self.data_sha256 is not None and not is_digest_map(self.data_sha256):
+            raise TaskError("Task.data_sha256 must map config keys to SHA-256 hex digests")
 
     def run_step(self, batch):
         """One optimizer step; returns the loss as a float."""

@@ -124,6 +124,16 @@ def test_an_honest_archive_and_folder_still_load(tmp_path):
     (tmp_path / "f").mkdir()
     x3, y3, _, _ = load_cifar10(str(make_folder(tmp_path / "f")))
     assert np.array_equal(x3, x) and np.array_equal(y3, y)
+    # the data hash a run commits to is of the six batches, whatever holds them
+    digests = [{}, {}, {}]
+    load_cifar10(str(archive), digests[0])
+    load_cifar10(str(make_tar(tmp_path / "d.tar", real_members(), mode="w")), digests[1])
+    load_cifar10(str(tmp_path / "f"), digests[2])
+    assert digests[0] == digests[1] == digests[2] and len(digests[0]["data"]) == 64
+    (tmp_path / "g").mkdir()
+    other = {}
+    load_cifar10(str(make_folder(tmp_path / "g", {"test_batch": batch_bytes(4, 9)})), other)
+    assert other != digests[0]
 
 
 @pytest.mark.timeout(120)
@@ -400,3 +410,89 @@ def test_a_contract_file_pins_seed_0_where_it_pins_the_config_and_names_no_seed(
     assert contract(task="digits-cnn", config={}, seed=None).seed == 0
     assert contract(task="digits-cnn", config={}, seed=7).seed == 7
     assert contract(task="digits-cnn").seed is None  # the config is the run's: so is its seed
+
+
+# --- data contents: a path names no bytes -------------------------------------------------------------
+
+TEXT = ["--set", "n_layer=1", "--set", "n_embd=16", "--set", "n_head=2", "--set", "seq_len=16", "--set",
+        "batch_size=2", "--steps", 2, "--checkpoint-every", 1, "--quiet"]
+
+
+def corpus(path, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["the", "king", "shall", "not", "speak", "of", "this", "night", "and", "her", "love"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(" ".join(rng.choice(words, 1500).tolist()) + "\n")
+    return path
+
+
+def test_a_run_whose_corpus_lies_in_the_run_folder_is_refused(tmp_path):
+    """A run's config named its corpus by a relative path, `run/corpus.txt`, and the trainer shipped that file
+    in its run folder. An auditor working in the folder that holds the run read the trainer's copy, so the
+    audit ACCEPTED a run trained on whatever the trainer chose. A config path inside the run folder is now
+    refused: the auditor reads its own data."""
+    import json
+    import shutil
+
+    elsewhere = tmp_path / "trainer"
+    corpus(elsewhere / "run" / "corpus.txt", seed=1)  # the poisoned text, where the trainer's relative path finds it
+    run = tmp_path / "run"
+    cli("train", "gpt2-text", "--out", run, "--set", "corpus=run/corpus.txt", *TEXT, check=0, cwd=elsewhere)
+    shutil.copy(elsewhere / "run" / "corpus.txt", run / "corpus.txt")  # shipped with the run
+    p = cli("audit", "run", "--json", "--quiet", cwd=tmp_path)
+    assert p.returncode == 1, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    r = json.loads(p.stdout)
+    assert not r["accepted"] and any("config 'corpus' names 'run/corpus.txt', inside the run folder" in x
+                                     for x in r["reasons"]), r["reasons"]
+    p = cli("eval", "run", "--json", cwd=tmp_path)
+    assert p.returncode == 1 and "inside the run folder" in p.stdout + p.stderr, (p.stdout[-1000:], p.stderr[-1000:])
+
+
+def test_the_run_commits_to_its_data_and_a_contract_can_pin_it(tmp_path):
+    """The manifest's config names a corpus by its path; the run now also commits to the bytes it read there
+    (data_sha256, in the run description under the root). An auditor whose copy differs is told so before any
+    replay, naming the key; a contract may pin the data hashes, and a run trained on other data is refused
+    naming the field; an auditor whose own copy is not the contract's data gets an error of its own (exit 2)."""
+    import json
+
+    from veritrain import store
+    from veritrain.commitments import data_hash
+
+    text = corpus(tmp_path / "data" / "corpus.txt")
+    run = tmp_path / "run"
+    cli("train", "gpt2-text", "--out", run, "--set", f"corpus={text}", *TEXT, check=0)
+    m = store.load_manifest(str(run))
+    assert m["data_sha256"] == {"corpus": data_hash([("corpus", text.read_bytes())])}
+    assert "data_sha256" in store.run_description(m)  # committed: leaves and root cover it
+    pin = tmp_path / "contract.json"
+    pin.write_text(json.dumps({"format": "veritrain-contract/1", "data_sha256": m["data_sha256"]}))
+    assert cli("audit", run, "--contract", pin, "--json", "--quiet").returncode == 0
+
+    other = tmp_path / "other"  # the same settings, other text
+    cli("train", "gpt2-text", "--out", other, "--set", f"corpus={corpus(tmp_path / 'b' / 'corpus.txt', 2)}",
+        *TEXT, check=0)
+    p = cli("audit", other, "--contract", pin, "--json", "--quiet")
+    assert p.returncode == 1 and "field 'data_sha256'" in p.stdout, p.stdout[-2000:]
+
+    text.write_text(text.read_text().replace("king", "queen"))  # the auditor's copy is not the run's data
+    p = cli("audit", run, "--json", "--quiet")
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert any("data: config 'corpus': the data read here hashes to" in x for x in json.loads(p.stdout)["reasons"])
+    p = cli("audit", run, "--contract", pin, "--json", "--quiet")  # and not the contract's: the auditor's problem
+    assert p.returncode == 2 and "the auditor's data: config 'corpus'" in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+def test_a_resumed_run_reads_the_data_it_started_from(tmp_path):
+    """A process that resumes a run (or a rank beside rank 0) builds the task from its own copy of the data:
+    a copy that changed since the run started would go on training on other data under the same commitment."""
+    from veritrain import runner, store
+    from veritrain.task import build
+
+    text = corpus(tmp_path / "corpus.txt")
+    config = {"corpus": str(text), "n_layer": 1, "n_embd": 16, "n_head": 2, "seq_len": 16, "batch_size": 2}
+    task = build("gpt2-text", config)
+    m = {"data_sha256": dict(task.data_sha256)}
+    runner._check_same_data(m, task)
+    text.write_text(text.read_text() + "more\n")
+    with pytest.raises(store.RunError, match="config 'corpus': the data read here hashes to .* read other data"):
+        runner._check_same_data(m, build("gpt2-text", config))

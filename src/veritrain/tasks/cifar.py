@@ -23,6 +23,7 @@ import zlib
 
 import numpy as np
 
+from veritrain.commitments import data_hash
 from veritrain.task import TaskError
 
 TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
@@ -196,8 +197,9 @@ def _read_archive(path: str) -> dict:
     return blobs
 
 
-def load_cifar10(path: str):
-    """(train images uint8 Nx3x32x32, train labels, test images, test labels)."""
+def load_cifar10(path: str, digests: dict | None = None):
+    """(train images uint8 Nx3x32x32, train labels, test images, test labels); ``digests["data"]``, where
+    given, the data hash of the six batch files (the same for the archive and its extracted folder)."""
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
         raise TaskError(f"config 'data': {path!r} does not exist (give cifar-10-python.tar.gz, its extracted "
@@ -218,6 +220,8 @@ def load_cifar10(path: str):
                 raise TaskError(f"config 'data': batch {p!r} has more than {MAX_BATCH_BYTES} bytes")
     else:
         blobs = _read_archive(path)
+    if digests is not None:
+        digests["data"] = data_hash([(n, blobs[n]) for n in TRAIN_BATCHES + [TEST_BATCH]])
     train = [_read_batch(blobs[n], n, path) for n in TRAIN_BATCHES]
     x_test, y_test = _read_batch(blobs[TEST_BATCH], TEST_BATCH, path)
     return (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]), x_test, y_test)

@@ -45,13 +45,13 @@ RANGES = {**{k: v for k, v in TEXT_RANGES.items() if k in DEFAULTS}, "warmup_ste
           "schedule_steps": "[1, inf)", "eval_windows": "[1, inf)"}
 
 
-def load_tokenizer(spec):
+def load_tokenizer(spec, digests: dict | None = None):
     if not spec:
         raise TaskError("gpt2-shakespeare: config 'tokenizer' is required: a folder with GPT-2's vocab/merges "
                         "files (e.g. --set tokenizer=../shared/data/gpt2-tokenizer) or a hub name")
     spec = os.path.expanduser(str(spec))
     if os.path.isdir(spec):
-        return load_bpe_tokenizer(spec)
+        return load_bpe_tokenizer(spec, digests)
     if os.path.sep in spec or spec.startswith("."):
         raise TaskError(f"config 'tokenizer': {spec!r} does not exist")
     from transformers import GPT2TokenizerFast
@@ -105,8 +105,9 @@ def make_task(config: dict) -> Task:
     cfg = {**DEFAULTS, **config}
     check_ranges("gpt2-shakespeare", cfg, RANGES)
     check_heads("gpt2-shakespeare", cfg)
-    text = read_corpus(cfg["corpus"], int(cfg["max_chars"]))
-    tok = load_tokenizer(cfg["tokenizer"])
+    digests = {}
+    text = read_corpus(cfg["corpus"], int(cfg["max_chars"]), digests)
+    tok = load_tokenizer(cfg["tokenizer"], digests)
     tokens = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     seq, bs = int(cfg["seq_len"]), int(cfg["batch_size"])
     n_test = int(len(tokens) * float(cfg["held_out_fraction"]))
@@ -146,7 +147,7 @@ def make_task(config: dict) -> Task:
         return {"loss": nll, "perplexity": float(np.exp(nll)), "windows": n}
 
     return Task(model=model, optimizer=optimizer, batch=batch, loss=lm_loss, scheduler=scheduler,
-                evaluate=evaluate, batch_indices=batch_indices)
+                evaluate=evaluate, batch_indices=batch_indices, data_sha256=digests)
 
 
 make_task.defaults = DEFAULTS

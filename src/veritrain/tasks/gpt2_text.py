@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from veritrain import randomness
+from veritrain.commitments import data_hash
 from veritrain.task import Task, TaskError, check_ranges, current_device
 
 DEFAULTS = {
@@ -50,7 +51,9 @@ MAX_CORPUS_BYTES = 1 << 30
 MAX_TOKENIZER_FILE_BYTES = 1 << 26  # GPT-2's vocab.json has 1 MB, merges.txt 0.5 MB
 
 
-def read_corpus(path, max_chars: int) -> str:
+def read_corpus(path, max_chars: int, digests: dict | None = None) -> str:
+    """The corpus's first ``max_chars`` characters (0: all); ``digests["corpus"]``, where given, the whole
+    file's data hash (commitments.data_hash), which a run commits to (Task.data_sha256)."""
     if not path:
         raise TaskError("gpt2-text: config 'corpus' is required (a path to a text file, e.g. "
                         "--set corpus=../shared/data/shakespeare.txt)")
@@ -67,8 +70,13 @@ def read_corpus(path, max_chars: int) -> str:
                 raise TaskError(f"gpt2-text: corpus {path!r} (config 'corpus') has {st.st_size} bytes, more than "
                                 f"{MAX_CORPUS_BYTES}")
             os.set_blocking(fd, True)
-            with io.TextIOWrapper(raw, encoding="utf-8") as f:
-                text = f.read(max_chars) if max_chars else f.read()
+            data = raw.read(MAX_CORPUS_BYTES + 1)
+        if len(data) > MAX_CORPUS_BYTES:  # it grew after it was opened
+            raise TaskError(f"gpt2-text: corpus {path!r} (config 'corpus') has more than {MAX_CORPUS_BYTES} bytes")
+        if digests is not None:
+            digests["corpus"] = data_hash([("corpus", data)])
+        with io.TextIOWrapper(io.BytesIO(data), encoding="utf-8") as f:
+            text = f.read(max_chars) if max_chars else f.read()
     except FileNotFoundError:
         raise TaskError(f"gpt2-text: corpus file {path!r} (config 'corpus') does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -78,7 +86,8 @@ def read_corpus(path, max_chars: int) -> str:
     return text
 
 
-def load_bpe_tokenizer(folder):
+def load_bpe_tokenizer(folder, digests: dict | None = None):
+    """GPT-2's BPE from a folder; ``digests["tokenizer"]``, where given, the data hash of its two files."""
     from transformers import GPT2TokenizerFast
 
     folder = os.path.expanduser(str(folder))
@@ -97,6 +106,12 @@ def load_bpe_tokenizer(folder):
             raise TaskError(f"config 'tokenizer': {path!r} is not a regular file")
         if st.st_size > MAX_TOKENIZER_FILE_BYTES:
             raise TaskError(f"config 'tokenizer': {path!r} has {st.st_size} bytes, more than {MAX_TOKENIZER_FILE_BYTES}")
+    if digests is not None:
+        parts = []
+        for part, path in (("vocab", vocab), ("merges", merges)):
+            with open(path, "rb") as f:
+                parts.append((part, f.read(MAX_TOKENIZER_FILE_BYTES + 1)))
+        digests["tokenizer"] = data_hash(parts)
     try:
         try:  # transformers >= 5 takes the files as vocab=/merges= (vocab_file= is silently ignored)
             tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
@@ -112,10 +127,10 @@ def load_bpe_tokenizer(folder):
     return tok
 
 
-def tokenize(text: str, tokenizer: str):
+def tokenize(text: str, tokenizer: str, digests: dict | None = None):
     if tokenizer == "bytes":
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64), 256
-    tok = load_bpe_tokenizer(tokenizer)
+    tok = load_bpe_tokenizer(tokenizer, digests)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return np.asarray(ids, dtype=np.int64), len(tok)
 
@@ -129,7 +144,9 @@ def make_task(config: dict) -> Task:
     cfg = {**DEFAULTS, **config}
     check_ranges("gpt2-text", cfg, RANGES)
     check_heads("gpt2-text", cfg)
-    tokens, vocab = tokenize(read_corpus(cfg["corpus"], int(cfg["max_chars"])), str(cfg["tokenizer"]))
+    digests = {}
+    text = read_corpus(cfg["corpus"], int(cfg["max_chars"]), digests)
+    tokens, vocab = tokenize(text, str(cfg["tokenizer"]), digests)
     seq, bs = int(cfg["seq_len"]), int(cfg["batch_size"])
     n_test = int(len(tokens) * float(cfg["held_out_fraction"]))
     train_tokens, test_tokens = torch.from_numpy(tokens[: len(tokens) - n_test]), torch.from_numpy(tokens[len(tokens) - n_test:])
@@ -188,9 +205,9 @@ def make_task(config: dict) -> Task:
 
     if clip > 0:
         return Task(model=model, optimizer=optimizer, batch=batch, train_step=train_step, evaluate=evaluate,
-                    batch_indices=batch_indices)
+                    batch_indices=batch_indices, data_sha256=digests)
     return Task(model=model, optimizer=optimizer, batch=batch, loss=lm_loss, evaluate=evaluate,
-                batch_indices=batch_indices)
+                batch_indices=batch_indices, data_sha256=digests)
 
 
 make_task.defaults = DEFAULTS

@@ -35,13 +35,13 @@ RANGES = {"width": "[1, inf)", "batch_size": "[1, inf)", "lr": "[0, inf)", "mome
           "weight_decay": "[0, inf)", "train_examples": "[0, inf)", "eval_examples": "[1, inf)"}
 
 
-def load_data(spec):
+def load_data(spec, digests: dict | None = None):
     if spec is None or spec == "":
         raise TaskError("resnet-cifar10: config 'data' is required: a path to cifar-10-python.tar.gz (or its "
                         "extracted folder), or 'digits' (--set data=digits)")
     if spec == "digits":
         return digits_as_cifar()
-    return load_cifar10(spec)
+    return load_cifar10(spec, digests)
 
 
 def augment(images: np.ndarray, seed: int, step: int) -> np.ndarray:
@@ -64,7 +64,8 @@ def make_task(config: dict) -> Task:
         raise TaskError(f"resnet-cifar10: unknown config keys {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     cfg = {**DEFAULTS, **config}
     check_ranges("resnet-cifar10", cfg, RANGES)
-    x_train, y_train, x_test, y_test = load_data(cfg["data"])
+    digests = {}  # scikit-learn's digits are part of the installed library: no file to commit to
+    x_train, y_train, x_test, y_test = load_data(cfg["data"], digests)
     if int(cfg["train_examples"]) > 0:
         x_train, y_train = x_train[: int(cfg["train_examples"])], y_train[: int(cfg["train_examples"])]
     bs, seed = int(cfg["batch_size"]), int(cfg["data_seed"])
@@ -107,7 +108,7 @@ def make_task(config: dict) -> Task:
         return {"accuracy": correct / max(n_eval, 1), "loss": nll / max(n_eval, 1), "examples": n_eval}
 
     return Task(model=model, optimizer=optimizer, batch=batch, loss=loss, evaluate=evaluate,
-                batch_indices=batch_indices)
+                batch_indices=batch_indices, data_sha256=digests)
 
 
 make_task.defaults = DEFAULTS

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--root", help="the root the trainer committed to")
     k.add_argument("--micro-batches", type=int, help="pin the micro-batches per step of a data-parallel run "
                                                      "(default 1: one batch per step, no data-parallel run)")
+    k.add_argument("--pin-data", action="store_true", help="pin the data: build the task here and write the hashes "
+                                                          "of the data files it reads (data_sha256)")
 
     d = sub.add_parser("demo", help="train the digits CNN, audit it on emulated other hardware, print the verdict")
     d.add_argument("--out", help="folder for the demo's runs (default: a new temporary folder)")
@@ -395,11 +397,18 @@ def _contract(args) -> int:
     thresholds = _read_thresholds(args.thresholds) if args.thresholds else {}
     overrides = _config(args.task, args.set)
     defaults = default_config(args.task)
+    data = None
+    if args.pin_data:  # the client's copy of the data, read as the task reads it
+        from .task import TaskError, build
+
+        data = build(args.task, {**defaults, **overrides}).data_sha256
+        if not data:
+            raise TaskError(f"--pin-data: task {args.task} with this config reads no data files to pin")
     policy = Policy(task=args.task, task_source_sha256=source_hash(args.task), config={**defaults, **overrides},
                     seed=0 if args.seed is None else args.seed, steps=args.steps, checkpoint_every=args.checkpoint_every, bits=args.bits,
                     mode=args.mode, thresholds=thresholds, slack=args.slack if args.slack is not None else 2.0,
                     initial_state_sha256=args.initial_state, root=args.root,
-                    micro_batches=1 if args.micro_batches is None else args.micro_batches,
+                    micro_batches=1 if args.micro_batches is None else args.micro_batches, data_sha256=data,
                     source="veritrain contract")
     write_contract(args.out, policy)
     print(f"contract for task {args.task} (source sha256 {policy.task_source_sha256[:16]}…) -> {args.out}")

@@ -467,6 +467,11 @@ def test_the_run_commits_to_its_data_and_a_contract_can_pin_it(tmp_path):
     pin = tmp_path / "contract.json"
     pin.write_text(json.dumps({"format": "veritrain-contract/1", "data_sha256": m["data_sha256"]}))
     assert cli("audit", run, "--contract", pin, "--json", "--quiet").returncode == 0
+    written = tmp_path / "written.json"  # `veritrain contract --pin-data` reads the client's copy as the task does
+    cli("contract", "gpt2-text", "--out", written, "--set", f"corpus={text}", "--pin-data", check=0)
+    assert json.loads(written.read_text())["data_sha256"] == m["data_sha256"]
+    p = cli("contract", "digits-cnn", "--out", tmp_path / "none.json", "--pin-data")
+    assert p.returncode == 2 and "reads no data files to pin" in p.stderr and not (tmp_path / "none.json").exists()
 
     other = tmp_path / "other"  # the same settings, other text
     cli("train", "gpt2-text", "--out", other, "--set", f"corpus={corpus(tmp_path / 'b' / 'corpus.txt', 2)}",

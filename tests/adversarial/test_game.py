@@ -634,3 +634,23 @@ def test_every_http_answer_has_a_size_cap():
             assert time.monotonic() - t0 < 10
         finally:
             server.close()
+
+    class Objects(Trickler):  # a leaf's answer of 2 MiB of small JSON objects, at once
+        def _answer(self, conn):
+            body = b'{"data": "00", "proof": [' + b"{}," * ((2 << 20) // 3) + b"{}]}"
+            try:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    # a leaf's answer is one object with two strings and a list of at most MAX_PROOF hashes: 64 MiB of small JSON
+    # objects in it parsed into ~1.5 GiB of Python objects before the proof's length was checked
+    server = Objects()
+    try:
+        with pytest.raises(ProverError, match="more JSON items than an answer of its kind"):
+            HttpProver(server.url, timeout=20).leaf(0)
+    finally:
+        server.close()

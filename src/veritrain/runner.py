@@ -879,7 +879,7 @@ def _rebuild_initial_state(run_dir: str, m: dict, run: AdmittedRun, engine: Engi
     if problem:  # the auditor's copy of the data is not what the run (or the contract) commits to
         if run.policy.data_sha256 is not None:
             raise RunError(f"the auditor's data: {store.data_problem(run.policy.data_sha256, task.data_sha256, 'the contract')}")
-        raise RunRejected(f"data: {problem}: the run was trained on other data than the auditor's copy")
+        raise RunRejected(f"data: {problem} (the auditor reads its own copy of the data; the run must commit to it)")
     _prepare_model(task, run.mode, Grid(run.bits))
     reasons = []
     if task.init_stats.suspicious_count:

@@ -427,8 +427,12 @@ def data_problem(committed, mine, whose: str = "the run") -> str | None:
     committed, mine = committed or {}, mine or {}
     for key in sorted(set(committed) | set(mine)):
         if committed.get(key) != mine.get(key):
-            return (f"config {key!r}: the data read here hashes to {str(mine.get(key))[:16]}…, {whose} commits to "
-                    f"{str(committed.get(key))[:16]}… (other data)")
+            if key not in mine:
+                return f"config {key!r}: {whose} commits to data {committed[key][:16]}…, but none was read for it here"
+            if key not in committed:
+                return (f"config {key!r}: the data read here hashes to {mine[key][:16]}…, but {whose} commits to no "
+                        f"data for it (written by an older veritrain, or its data hashes removed)")
+            return f"config {key!r}: the data read here hashes to {mine[key][:16]}…, {whose} commits to {committed[key][:16]}…"
     return None
 
 

@@ -454,6 +454,7 @@ def test_the_run_commits_to_its_data_and_a_contract_can_pin_it(tmp_path):
     replay, naming the key; a contract may pin the data hashes, and a run trained on other data is refused
     naming the field; an auditor whose own copy is not the contract's data gets an error of its own (exit 2)."""
     import json
+    import shutil
 
     from veritrain import store
     from veritrain.commitments import data_hash
@@ -478,6 +479,17 @@ def test_the_run_commits_to_its_data_and_a_contract_can_pin_it(tmp_path):
         *TEXT, check=0)
     p = cli("audit", other, "--contract", pin, "--json", "--quiet")
     assert p.returncode == 1 and "field 'data_sha256'" in p.stdout, p.stdout[-2000:]
+
+    from conftest import recommit
+
+    stripped = tmp_path / "stripped"  # the commitment removed, the run recommitted: nothing left to compare
+    shutil.copytree(run, stripped)
+    m = store.load_manifest(str(stripped))
+    del m["data_sha256"]
+    store.save_manifest(str(stripped), m)
+    recommit(stripped)
+    p = cli("audit", stripped, "--json", "--quiet")
+    assert p.returncode == 1 and "commits to no data for it" in p.stdout, (p.returncode, p.stdout[-2000:])
 
     text.write_text(text.read_text().replace("king", "queen"))  # the auditor's copy is not the run's data
     p = cli("audit", run, "--json", "--quiet")

@@ -136,7 +136,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown threshold classes: {', '.join(sorted(unknown))}")
         for k, v in self.thresholds.items():
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            try:  # an integer too large for a float is no threshold either (not an OverflowError)
+                ok = isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+            except OverflowError:
+                ok = False
+            if not ok:
                 raise ValueError(f"threshold for class {k!r} must be a positive number, got {v!r}")
         self.thresholds = {**rules.DEFAULT_THRESHOLDS, **{k: float(v) for k, v in self.thresholds.items()}}
 

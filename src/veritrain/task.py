@@ -213,6 +213,11 @@ def build(ref: str, config: dict) -> Task:
     return task
 
 
+def shown_value(v, limit: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}… ({len(r)} characters)"
+
+
 def check_ranges(task: str, cfg: dict, ranges: dict):
     """Each numeric setting of a built-in task inside its range, an interval as written in ``ranges``
     ("[1, inf)", "[0, 1)"; a bound "inf" admits finite values only): a config that builds and trains but means
@@ -220,10 +225,13 @@ def check_ranges(task: str, cfg: dict, ranges: dict):
     for key, interval in ranges.items():
         v = cfg[key]
         low, high = (float(b) for b in interval[1:-1].split(","))
-        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-              and (v >= low if interval[0] == "[" else v > low) and (v <= high if interval[-1] == "]" else v < high))
+        try:  # an integer too large for a float (JSON has any size) is outside every range
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  and (v >= low if interval[0] == "[" else v > low) and (v <= high if interval[-1] == "]" else v < high))
+        except OverflowError:
+            ok = False
         if not ok:
-            raise TaskError(f"{task}: config {key!r} = {v!r} is outside {interval}")
+            raise TaskError(f"{task}: config {key!r} = {shown_value(v)} is outside {interval}")
 
 
 def normalize_optimizer(optimizer):

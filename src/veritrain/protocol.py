@@ -39,7 +39,7 @@ from .logformat import LogFormatError, StepLogReader
 from .merkle import children, leaf_hash, node_hash, verify_inclusion
 from .rounding import Grid
 from .policy import AdmittedRun, Policy, trusted
-from .task import using_device
+from .task import TaskError, using_device
 
 
 class ProverError(VeritrainError):
@@ -51,6 +51,15 @@ MAX_CLAIMS = 3  # suspicious entries of an audit the referee checks, earliest fi
 
 
 # --- replaying a run's steps -------------------------------------------------------------------
+
+
+def check_own_data(run: AdmittedRun, task):
+    """This side's build of the task read the data the run commits to (its data_sha256, which the audit
+    compared before any replay): a copy that changed since, or another copy on this machine, is this side's
+    own error, never a finding against the other side (its batches would differ from every record)."""
+    problem = store.data_problem(run.data_sha256, task.data_sha256)
+    if problem:
+        raise TaskError(f"this side's data: {problem}; replay with the data the run commits to")
 
 
 class Replayer:
@@ -72,6 +81,7 @@ class Replayer:
         self.device = hardware.parse_device(device)
         hardware.configure_device(self.device)
         self.task = run.build_task()
+        check_own_data(run, self.task)
         self.mode, self.bits = run.mode, run.bits
         self.engine = run.engine()
         self.grid = Grid(self.bits)
@@ -543,6 +553,7 @@ class Challenger:
             finally:
                 if reader is not None:
                     reader.close()
+        check_own_data(self.run, task)
         _prepare_model(task, self.run.mode, Grid(self.run.bits))
         v["referee_ops"] += task.init_stats.ops
         h = hash_state(task.model, task.optimizer, task.scheduler, 0)

@@ -855,10 +855,22 @@ def unverified_fields(m: dict) -> dict:
 def _refuse_data_inside(run_dir: str, run: AdmittedRun):
     """The auditor reads its own copy of the data: a config naming a file in the run folder (a relative path
     read from inside it, say) would have it train on what the trainer shipped."""
-    inside = store.config_paths_inside(run_dir, run.config)
+    from .task import data_paths
+
+    inside = store.config_paths_inside(run_dir, run.config, data_paths(run.task))
     if inside:
         raise RunRejected(f"config {inside[0]!r} names {str(run.config[inside[0]])[:200]!r}, inside the run folder: "
                           f"the trainer's own copy, not the auditor's (give the data's path outside the run)")
+
+
+def _check_data(run: AdmittedRun, task: Task):
+    """The auditor's build (audit, eval) read the data the run commits to; else the run is rejected, or, where a
+    contract pins the data, the auditor's own copy is not the contract's: its error."""
+    problem = store.data_problem(run.data_sha256, task.data_sha256)
+    if problem:  # the auditor's copy of the data is not what the run (or the contract) commits to
+        if run.policy.data_sha256 is not None:
+            raise RunError(f"the auditor's data: {store.data_problem(run.policy.data_sha256, task.data_sha256, 'the contract')}")
+        raise RunRejected(f"data: {problem} (the auditor reads its own copy of the data; the run must commit to it)")
 
 
 def _rebuild_initial_state(run_dir: str, m: dict, run: AdmittedRun, engine: EngineConfig):
@@ -875,11 +887,7 @@ def _rebuild_initial_state(run_dir: str, m: dict, run: AdmittedRun, engine: Engi
     finally:
         if reader is not None:
             reader.close()
-    problem = store.data_problem(run.data_sha256, task.data_sha256)
-    if problem:  # the auditor's copy of the data is not what the run (or the contract) commits to
-        if run.policy.data_sha256 is not None:
-            raise RunError(f"the auditor's data: {store.data_problem(run.policy.data_sha256, task.data_sha256, 'the contract')}")
-        raise RunRejected(f"data: {problem} (the auditor reads its own copy of the data; the run must commit to it)")
+    _check_data(run, task)
     _prepare_model(task, run.mode, Grid(run.bits))
     reasons = []
     if task.init_stats.suspicious_count:
@@ -1191,6 +1199,7 @@ def _evaluate_run(run_dir, step, policy, device) -> dict:
     finally:
         if reader is not None:
             reader.close()
+    _check_data(run, task)  # the held-out data too is the run's (a copy that differs would measure other data)
     if task.evaluate is None:
         raise RunError(f"task {m['task']} defines no evaluation")
     if m["mode"] == "fp64":

@@ -408,15 +408,25 @@ def run_description(manifest: dict) -> dict:
     return d
 
 
-def config_paths_inside(run_dir: str, config: dict) -> list[str]:
+def config_paths_inside(run_dir: str, config: dict, paths: dict | None = None) -> list[str]:
     """The config keys whose value names a file or folder inside the run folder (as this process resolves
-    it: a relative path against its working directory)."""
+    it: a relative path against its working directory), or a folder whose subfolder the task reads there.
+    ``paths``: the keys the task reads data from (its ``make_task.data_paths``, task.data_paths), each with the
+    words it takes as no path ("bytes") and the subfolders it reads under a folder; None: any string may be a
+    path."""
     base, inside = os.path.realpath(run_dir), []
     for key, v in sorted(config.items()):
-        if isinstance(v, str) and v and os.path.exists(os.path.expanduser(v)):
-            p = os.path.realpath(os.path.expanduser(v))
-            if p == base or p.startswith(base + os.sep):
+        if paths is not None and (key not in paths or v in paths[key]["words"]):  # a setting, or a word
+            continue
+        if not (isinstance(v, str) and v):
+            continue
+        v = os.path.expanduser(v)
+        within = paths[key]["within"] if paths is not None else ()
+        for p in [v] + [os.path.join(v, sub) for sub in within]:
+            p = os.path.realpath(p) if os.path.exists(p) else None
+            if p is not None and (p == base or p.startswith(base + os.sep)):
                 inside.append(key)
+                break
     return inside
 
 

@@ -204,6 +204,16 @@ def default_config(ref: str) -> dict:
     return dict(defaults or {})
 
 
+def data_paths(ref: str) -> dict | None:
+    """The config keys a task reads data files from (``make_task.data_paths``), each as {"words": the values it
+    takes as no path ("bytes"), "within": the subfolders it reads under a folder}; None where the task does not
+    say (any string may be a path)."""
+    paths = getattr(load_function(ref), "data_paths", None)
+    if not isinstance(paths, dict):
+        return None
+    return {k: {"words": tuple(v.get("words", ())), "within": tuple(v.get("within", ()))} for k, v in paths.items()}
+
+
 def build(ref: str, config: dict) -> Task:
     fn = load_function(ref)
     task = fn(dict(config))

@@ -151,3 +151,6 @@ def make_task(config: dict) -> Task:
 
 
 make_task.defaults = DEFAULTS
+# the settings naming files (store.config_paths_inside; a hub name that is an existing folder is read as one):
+# pretrained weights shipped in the run folder would be the trainer's choice of initial state
+make_task.data_paths = {"corpus": {}, "tokenizer": {}, "pretrained": {}}

@@ -211,3 +211,4 @@ def make_task(config: dict) -> Task:
 
 
 make_task.defaults = DEFAULTS
+make_task.data_paths = {"corpus": {}, "tokenizer": {"words": ("bytes",)}}  # the settings naming files (store.config_paths_inside)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from veritrain import randomness
 from veritrain.task import Task, TaskError, check_ranges, current_device
-from veritrain.tasks.cifar import digits_as_cifar, load_cifar10, normalize
+from veritrain.tasks.cifar import FOLDER, digits_as_cifar, load_cifar10, normalize
 from veritrain.tasks.resnet import resnet18, resnet50
 
 DEFAULTS = {
@@ -112,3 +112,5 @@ def make_task(config: dict) -> Task:
 
 
 make_task.defaults = DEFAULTS
+# the settings naming files (store.config_paths_inside); cifar.load_cifar10 reads a folder's batches folder
+make_task.data_paths = {"data": {"words": ("digits",), "within": (FOLDER,)}}

@@ -124,3 +124,19 @@ def forge_wrong_directions(log, forged, targets, y64, tau):
     w.op(record.name, record.scalars, record.outputs, int(np.prod(out.shape)))
     w.close()
     return targets
+
+
+# a gpt2-text run of a few seconds: one tiny layer, byte tokens, two steps of one interval each
+TINY_TEXT = ["--set", "n_layer=1", "--set", "n_embd=16", "--set", "n_head=2", "--set", "seq_len=16", "--set",
+             "batch_size=2", "--steps", 2, "--checkpoint-every", 1, "--quiet"]
+
+
+def small_corpus(path, seed=0):
+    """A text file of 1500 words drawn with ``seed``, for gpt2-text runs that read a corpus (parents created)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = ["the", "king", "shall", "not", "speak", "of", "this", "night", "and", "her", "love"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(" ".join(rng.choice(words, 1500).tolist()) + "\n")
+    return path

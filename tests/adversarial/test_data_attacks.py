@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import cli
+from conftest import TINY_TEXT as TEXT, cli, small_corpus as corpus
 
 BATCHES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 FOLDER = "cifar-10-batches-py"
@@ -413,18 +413,6 @@ def test_a_contract_file_pins_seed_0_where_it_pins_the_config_and_names_no_seed(
 
 
 # --- data contents: a path names no bytes -------------------------------------------------------------
-
-TEXT = ["--set", "n_layer=1", "--set", "n_embd=16", "--set", "n_head=2", "--set", "seq_len=16", "--set",
-        "batch_size=2", "--steps", 2, "--checkpoint-every", 1, "--quiet"]
-
-
-def corpus(path, seed=0):
-    rng = np.random.default_rng(seed)
-    words = ["the", "king", "shall", "not", "speak", "of", "this", "night", "and", "her", "love"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(" ".join(rng.choice(words, 1500).tolist()) + "\n")
-    return path
-
 
 def test_a_run_whose_corpus_lies_in_the_run_folder_is_refused(tmp_path):
     """A run's config named its corpus by a relative path, `run/corpus.txt`, and the trainer shipped that file

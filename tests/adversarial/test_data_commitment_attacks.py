@@ -4,21 +4,9 @@ as the audit does."""
 
 import json
 
-import numpy as np
 import pytest
 
-from conftest import cli
-
-TEXT = ["--set", "n_layer=1", "--set", "n_embd=16", "--set", "n_head=2", "--set", "seq_len=16", "--set",
-        "batch_size=2", "--steps", 2, "--checkpoint-every", 1, "--quiet"]
-
-
-def corpus(path, seed=0):
-    rng = np.random.default_rng(seed)
-    words = ["the", "king", "shall", "not", "speak", "of", "this", "night", "and", "her", "love"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(" ".join(rng.choice(words, 1500).tolist()) + "\n")
-    return path
+from conftest import TINY_TEXT as TEXT, cli, small_corpus as corpus
 
 
 def test_the_game_does_not_blame_an_honest_trainer_for_the_challengers_own_data(tmp_path):

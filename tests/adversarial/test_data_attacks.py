@@ -414,6 +414,7 @@ def test_a_contract_file_pins_seed_0_where_it_pins_the_config_and_names_no_seed(
 
 # --- data contents: a path names no bytes -------------------------------------------------------------
 
+
 def test_a_run_whose_corpus_lies_in_the_run_folder_is_refused(tmp_path):
     """A run's config named its corpus by a relative path, `run/corpus.txt`, and the trainer shipped that file
     in its run folder. An auditor working in the folder that holds the run read the trainer's copy, so the

@@ -442,6 +442,11 @@ def _train(opts: TrainOptions, device, probe) -> dict:
             raise RunError(f"--micro-batches must be in 1..{store.MAX_MICRO_BATCHES}, got {opts.micro_batches}")
         parallel.assignment(opts.micro_batches, size)  # ValueError: more processes than micro-batches
         config = {**default_config(opts.task), **opts.config}
+        if opts.config.get("init_seed", 0) != 0 and "init_seed" in default_config(opts.task):
+            # the task seeds torch's generator with it, which a run never draws from (randomness.py): the run
+            # would start from init_seed 0's weights, whatever the user asked for
+            raise TaskError(f"config 'init_seed' ({str(opts.config['init_seed'])[:40]}) draws nothing in a run: the run "
+                            f"seed draws the initial weights and every random op (give --seed instead)")
         engine = EngineConfig(mode=opts.mode, bits=opts.bits, seed=opts.seed, thresholds=dict(opts.thresholds or {}))
         mode, bits = opts.mode, opts.bits
         if rank == 0:

@@ -271,7 +271,8 @@ def test_the_audit_of_a_run_whose_data_is_a_bomb_is_rejected_with_the_reason(tmp
 def test_a_contract_that_pins_the_config_pins_the_run_seed(tmp_path):
     """The run seed keys every random draw under the engine: the initial weights (domain "init") and every
     dropout mask. A task's ``init_seed`` (torch.manual_seed in its code) draws nothing under the engine: a
-    config with init_seed 5 builds the same initial state as init_seed 0. A contract written by ``veritrain
+    config with init_seed 5 builds the same initial state as init_seed 0 (so ``veritrain train`` refuses one,
+    pointing at --seed). A contract written by ``veritrain
     contract TASK`` pinned the config (init_seed and data_seed included) and every setting but the seed, so
     the trainer could grind over 2**63 initialisations and dropout streams (train many, publish the one it
     likes) and the audit accepted each. A contract that pins the config now pins the seed: 0 unless it names
@@ -280,13 +281,22 @@ def test_a_contract_that_pins_the_config_pins_the_run_seed(tmp_path):
 
     from veritrain import store
 
+    from veritrain.checkpoint import hash_state
+    from veritrain.engine import EngineConfig
+    from veritrain.runner import build_initial
+
     common = ["--set", "width=4", "--set", "batch_size=8", "--steps", 1, "--checkpoint-every", 1]
     runs = {}
-    for label, extra in (("honest", []), ("init_seed 5", ["--set", "init_seed=5"]), ("ground", ["--seed", 12345])):
+    for label, extra in (("honest", []), ("ground", ["--seed", 12345])):
         runs[label] = tmp_path / label.replace(" ", "_")
         cli("train", "digits-cnn", "--out", runs[label], "--quiet", *common, *extra, check=0)
     init = {k: store.load_manifest(str(r))["initial_state_sha256"] for k, r in runs.items()}
-    assert init["init_seed 5"] == init["honest"] != init["ground"], init  # only the run seed draws the weights
+    assert init["honest"] != init["ground"], init  # the run seed draws the weights
+    built = [build_initial("digits-cnn", {"width": 4, "batch_size": 8, "init_seed": s}, EngineConfig()) for s in (0, 5)]
+    assert len({hash_state(t.model, t.optimizer, t.scheduler, 0) for t in built}) == 1  # init_seed draws nothing
+    p = cli("train", "digits-cnn", "--out", tmp_path / "init5", "--quiet", *common, "--set", "init_seed=5")
+    assert p.returncode == 2 and "'init_seed' (5) draws nothing in a run" in p.stderr and "--seed" in p.stderr, p.stderr
+    assert not (tmp_path / "init5").exists()
 
     contract = tmp_path / "contract.json"
     cli("contract", "digits-cnn", "--out", contract, "--set", "width=4", "--set", "batch_size=8", "--steps", 1,

@@ -438,7 +438,7 @@ def test_a_run_whose_corpus_lies_in_the_run_folder_is_refused(tmp_path):
     run = tmp_path / "run"
     cli("train", "gpt2-text", "--out", run, "--set", "corpus=run/corpus.txt", *TEXT, check=0, cwd=elsewhere)
     shutil.copy(elsewhere / "run" / "corpus.txt", run / "corpus.txt")  # shipped with the run
-    p = cli("audit", "run", "--json", "--quiet", cwd=tmp_path)
+    p = cli("audit", "run", "--json", "--quiet", "--variant", "combo", cwd=tmp_path)
     assert p.returncode == 1, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
     r = json.loads(p.stdout)
     assert not r["accepted"] and any("config 'corpus' names 'run/corpus.txt', inside the run folder" in x
@@ -466,7 +466,7 @@ def test_the_run_commits_to_its_data_and_a_contract_can_pin_it(tmp_path):
     assert "data_sha256" in store.run_description(m)  # committed: leaves and root cover it
     pin = tmp_path / "contract.json"
     pin.write_text(json.dumps({"format": "veritrain-contract/1", "data_sha256": m["data_sha256"]}))
-    assert cli("audit", run, "--contract", pin, "--json", "--quiet").returncode == 0
+    assert cli("audit", run, "--contract", pin, "--json", "--quiet", "--variant", "combo").returncode == 0
     written = tmp_path / "written.json"  # `veritrain contract --pin-data` reads the client's copy as the task does
     cli("contract", "gpt2-text", "--out", written, "--set", f"corpus={text}", "--pin-data", check=0)
     assert json.loads(written.read_text())["data_sha256"] == m["data_sha256"]
@@ -491,7 +491,7 @@ def test_the_run_commits_to_its_data_and_a_contract_can_pin_it(tmp_path):
     assert p.returncode == 1 and "commits to no data for it" in p.stdout, (p.returncode, p.stdout[-2000:])
 
     text.write_text(text.read_text().replace("king", "queen"))  # the auditor's copy is not the run's data
-    p = cli("audit", run, "--json", "--quiet")
+    p = cli("audit", run, "--json", "--quiet", "--variant", "combo")
     assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
     assert any("data: config 'corpus': the data read here hashes to" in x for x in json.loads(p.stdout)["reasons"])
     p = cli("audit", run, "--contract", pin, "--json", "--quiet")  # and not the contract's: the auditor's problem

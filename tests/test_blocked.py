@@ -197,3 +197,42 @@ def test_a_forged_decision_beyond_a_blocked_products_bound_is_caught(tmp_path, m
     assert calls == [(case, auditor_norms)]
     assert mode.stats.suspicious_count == len(targets)  # every forged entry, and nothing else
     assert {s.position for s in mode.stats.suspicious} <= set(targets.tolist())  # the first few, in detail
+
+
+@pytest.mark.parametrize("how", ["m", "n"])
+def test_a_blocks_epilogue_writes_its_rounded_values_where_the_block_lies_in_the_result(monkeypatch, how):
+    """The compiled epilogue (and the auditor's rounding, Grid.round_into) write a block's rounded values into its
+    view of the result (engine._mm_in_blocks), not into a block of their own then copied: the same bits and flags
+    as the block's own result, nothing written outside the view, and one kernel for every block's place in the
+    result (a kernel compiled again for each would reach torch.compile's recompile limit and run eagerly)."""
+    from torch._dynamo.utils import counters
+
+    from veritrain.fused import Epilogues
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "1")
+    grid, g = Grid(32), torch.Generator().manual_seed(4)
+    m, n = (700, 96) if how == "m" else (96, 700)
+    result = torch.full((m, n), 7.0)
+    epilogues = Epilogues(grid)
+    graphs = counters["stats"]["unique_graphs"]
+    starts = list(range(0, m if how == "m" else n, 64))
+    for i, start in enumerate(starts):
+        size = min(64, (m if how == "m" else n) - start)
+        where = (slice(start, start + size), slice(None)) if how == "m" else (slice(None), slice(start, start + size))
+        y = torch.randn(result[where].shape, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(
+            -30, 30, result[where].shape, generator=g)
+        rows = torch.rand(y.shape[0], 1, generator=g, dtype=torch.float64) + 1
+        cols = torch.rand(1, y.shape[1], generator=g, dtype=torch.float64) + 1
+        scale = rules.LazyScale([(rules._sqrt(24), [rows, cols])])
+        own_y32, own_flags = epilogues.run(y, scale, 2.0**25)
+        if i % 2:  # the auditor's blocks: rounding only
+            grid.round_into(y, result[where])
+        else:
+            into, flags = epilogues.run(y, scale, 2.0**25, into=result[where])
+            assert into.data_ptr() == result[where].data_ptr() and torch.equal(flags, own_flags)
+        assert torch.equal(result[where].view(torch.int32), own_y32.view(torch.int32))
+        assert torch.equal(own_y32, grid.round(y))
+        result[where].fill_(7.0)
+    assert bool((result == 7.0).all()), "nothing was written outside the blocks' views"
+    assert counters["stats"]["unique_graphs"] - graphs <= 4, "one kernel each for fresh and in-place blocks, " \
+        "each compiled again at most once (a first specialisation dropped)"

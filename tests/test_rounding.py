@@ -90,6 +90,21 @@ def test_b32_is_plain_float32_conversion():
     assert torch.equal(Grid(32).round(x), x.to(torch.float32))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(width=64), min_size=1, max_size=40), st.sampled_from(BITS))
+def test_rounding_into_a_view_of_a_larger_tensor_is_round(values, b):
+    """Grid.round_into (a matrix product's blocks, engine._mm_in_blocks) writes round's bits into a strided view
+    and nothing beside it; on float32's grid by a converting copy, NaN, infinities, subnormals and ties included."""
+    grid = Grid(b)
+    y = torch.tensor(values + edge_values(b), dtype=torch.float64)
+    out = torch.full((3, y.numel()), 5.0)
+    grid.round_into(y, out[1])
+    grid.round_into(y.view(-1, 1), out[2:, :].t())
+    assert torch.equal(out[1].view(torch.int32), grid.round(y).view(torch.int32))
+    assert torch.equal(out[2].view(torch.int32), grid.round(y).view(torch.int32))
+    assert bool((out[0] == 5.0).all())
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.floats(width=64), min_size=1, max_size=40), st.sampled_from(BITS))
 def test_the_hosts_rounding_is_the_tensors(values, b):

@@ -1277,15 +1277,15 @@ class VerifiedMode(TorchDispatchMode):
                 row_norms[rows] = block_rows
                 col_norms[:, cols] = block_cols
             if not trainer:
-                into.copy_(grid.round(y))
+                grid.round_into(y, into)
                 return
             scale = rules.LazyScale([(rules._sqrt(k), [block_rows, block_cols])])
-            out = self._epilogues().run(y, scale, c) if FusedKernels.enabled_for(y.numel(), y.device) else None
+            out = self._epilogues().run(y, scale, c, into=into) \
+                if FusedKernels.enabled_for(y.numel(), y.device) else None
             if out is None:  # nothing compiled here: the eager rounding and scan, the same answers
-                into.copy_(grid.round(y))
+                grid.round_into(y, into)
                 local = grid.candidate_positions(y, scale.materialize(y.shape), c)
             else:
-                into.copy_(out[0])
                 local = mask_positions(out[1])
             if local.numel():
                 w = y.shape[1]

@@ -335,8 +335,10 @@ class Epilogues:
         self._cache: dict = {}
         self._failed: set = set()
 
-    def run(self, y: torch.Tensor, scale, c: float):
-        """(y32, mask) or None (not compiled here: the caller uses eager ops)."""
+    def run(self, y: torch.Tensor, scale, c: float, into: torch.Tensor | None = None):
+        """(y32, mask) or None (not compiled here: the caller uses eager ops). ``into``: a float32 tensor of y's
+        shape (a block of a larger result) the kernel writes the rounded values into as it makes them, returned
+        as y32: no float32 block allocated, then read and copied (a block of GPT-2's logits is 2 MB)."""
         from .rules import LazyScale, RelScale
 
         if isinstance(scale, LazyScale):
@@ -345,22 +347,26 @@ class Epilogues:
             terms = [(1.0, None)]  # |y|, computed in the kernel
         else:
             terms = [(1.0, [scale])]
-        key = (y.dim(), tuple(None if fs is None else tuple(f.dim() for f in fs) for _, fs in terms), float(c))
+        key = (y.dim(), tuple(None if fs is None else tuple(f.dim() for f in fs) for _, fs in terms), float(c),
+               into is not None)
         if key in self._failed:
             return None
         k = self._cache.get(key)
         try:
             if k is None:
-                k = self._cache[key] = self._build(len(y.shape), [None if fs is None else len(fs) for _, fs in terms], c)
+                k = self._cache[key] = self._build(len(y.shape), [None if fs is None else len(fs) for _, fs in terms], c,
+                                                   into is not None)
             coefs = torch.tensor([t[0] for t in terms], dtype=torch.float64, device=y.device)
             factors = [f for _, fs in terms for f in fs or ()]
-            return k(y, coefs, *factors)
+            if into is None:
+                return k(y, coefs, *factors)
+            return into, k(y, coefs, *factors, into)
         except Exception as exc:
             self._failed.add(key)
             FusedKernels.warn_once(None, exc)
             return None
 
-    def _build(self, ndim, n_factors, c):
+    def _build(self, ndim, n_factors, c, into=False):
         g = self.grid
         names, terms, i = [], [], 0
         for t, n in enumerate(n_factors):
@@ -372,11 +378,16 @@ class Epilogues:
             i += n
             terms.append(" * ".join([f"coefs[{t}]"] + fs))
         src = "\n".join([
-            f"def epilogue({', '.join(['y', 'coefs'] + names)}):",
+            f"def epilogue({', '.join(['y', 'coefs'] + names + (['into'] if into else []))}):",
             f"    s = {' + '.join(terms)}",
             f"    y32 = ROUND(y, {g.drop}, {g.cell_bits}, {g.half}, {g.low_mask}, {g.min_spacing!r})",
-            f"    return y32, FLAG(y, s, {float(c)!r}).to(torch.int8)",
-        ])
+            f"    flag = FLAG(y, s, {float(c)!r}).to(torch.int8)",
+        ] + ([
+            "    into.copy_(y32)",
+            "    return flag",
+        ] if into else [
+            "    return y32, flag",
+        ]))
         env = {"torch": torch, "ROUND": _round_to_grid, "FLAG": kernel_flag(g)}
         define(src, f"<veritrain epilogue {next(self._ids)}>", env)
         return compile_kernel(env["epilogue"])

@@ -95,6 +95,14 @@ class Grid:
         out = torch.where(torch.isnan(y), y, out)
         return out.to(torch.float32)
 
+    def round_into(self, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``round(y)`` written into the float32 tensor ``out`` (same shape; a view of a larger result, say). On
+        float32's own grid the rounding is the float64 -> float32 conversion, which ``copy_`` makes while it
+        writes (the same round-to-nearest-even as ``.to``): no float32 temporary written and read back."""
+        if self.drop == 0 and y.dtype == torch.float64:
+            return out.copy_(y)
+        return out.copy_(self.round(y))
+
     def round_scalar(self, x: float) -> float:
         return float(self.round(torch.tensor([x], dtype=torch.float64))[0])
 

@@ -250,3 +250,14 @@ def test_an_own_loop_built_without_veritrain_init_verifies(tmp_path):
     assert load_manifest(out)["init_log_sha256"] is None
     r = verify(out)
     assert r["ok"], r["problems"]
+
+
+def test_the_recorded_versions_do_not_import_transformers():
+    """A run records transformers' version from its installed metadata: importing it cost 0.8 s of every run of
+    a task that does not use it (a fresh process: the suite's own may have imported it)."""
+    transformers = pytest.importorskip("transformers")
+    code = ("import sys, json; from veritrain.runner import versions; v = versions(); "
+            "print(json.dumps([v.get('transformers'), 'transformers' in sys.modules]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == [transformers.__version__, False]

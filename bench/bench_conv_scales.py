@@ -92,7 +92,7 @@ def squares(reps):
     print("\n| tensor | over | compiled (us) | eager (x * x).sum (us) | eager, innermost first (us) | ATen norm (us) | "
           "as chosen (us) |\n| --- | --- | --- | --- | --- | --- | --- |")
     for shape, dims in [((16, 8, 32, 32), [1]), ((16, 8, 32, 32), [0, 2, 3]), ((16, 16, 16, 16), [0, 2, 3]), ((8, 64, 768), [0]),
-                        ((512, 3072), [0]), ((64, 64, 32, 32), [0, 2, 3]), ((512, 512, 3, 3), [0, 2, 3])]:
+                        ((16, 64, 32, 32), [1]), ((768, 2304), [0]), ((512, 3072), [0]), ((64, 64, 32, 32), [0, 2, 3]), ((512, 512, 3, 3), [0, 2, 3])]:
         x = torch.randn(shape, dtype=torch.float64)
         sizes, reduced = fused.merged_view(x.shape, dims)
         view = x.view(sizes)
@@ -110,12 +110,13 @@ def squares(reps):
 
 def transposed(reps):
     """A transposed matrix product operand's norms over its strided dimension (a column norm of b = W^T, e.g.
-    GPT-2's tied embedding for the logits): the eager sum of squares on the view, ATen's norm on the view, and
-    fused.vector_norm as it chooses (in the memory's order: the stored matrix's row norms), median
-    microseconds per call."""
+    GPT-2's tied embedding for the logits: the stored matrix's row norms; a row norm of a = x^T, a weight gradient's,
+    or of attention's K^T: the stored matrix's column norms): the eager sum of squares on the view, ATen's norm on
+    the view, and fused.vector_norm as it chooses (in the memory's order), median microseconds per call."""
     print("\n| stored | norm over | eager (x * x).sum (us) | ATen norm (us) | as chosen (us) |\n| --- | --- | --- | --- | "
           "--- |")
-    for stored, dims in [((50257, 768), [0]), ((3072, 768), [0]), ((96, 64, 64), [1])]:
+    for stored, dims in [((50257, 768), [0]), ((3072, 768), [0]), ((96, 64, 64), [1]), ((512, 3072), [1]),
+                         ((512, 768), [1]), ((96, 64, 64), [2])]:
         x = torch.randn(stored, dtype=torch.float64).transpose(-2, -1)
         eager = median_us(lambda: (x * x).sum(dims, keepdim=True), reps)
         norm = median_us(lambda: torch.linalg.vector_norm(x, dim=dims, keepdim=True), reps)

@@ -230,7 +230,7 @@ def test_norms_and_energies_follow_the_definition(shape, transpose, compiled, mo
     norms (rules._convolution, _convolution_backward) are sums of squares over some dimensions: the compiled
     sum for reductions over outer dimensions, in any layout a transposed operand has, gives the eager ops'
     values up to summation order, in their shape."""
-    # the compiled sums at every size (by default from 2**21 elements), or the eager ops at every size
+    # the compiled sums at every size (by default from 2**20 elements), or the eager ops at every size
     monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", "0" if compiled else str(1 << 62))
     torch.manual_seed(2)
     x = torch.randn(shape, dtype=torch.float64)
@@ -269,7 +269,8 @@ def test_the_eager_sum_of_squares_over_trailing_dimensions_first_is_the_sum_of_s
     assert torch.allclose(got, want, rtol=1e-14, atol=0)
 
 
-@pytest.mark.parametrize("stored,dims", [((300, 70), [0]), ((300, 70), [1]), ((5, 40, 30), [1]), ((5, 40, 30), [0, 1])])
+@pytest.mark.parametrize("stored,dims", [((300, 70), [0]), ((300, 70), [1]), ((5, 40, 30), [1]), ((5, 40, 30), [2]),
+                                         ((5, 40, 30), [0, 1])])
 def test_a_transposed_operands_norms_are_taken_in_its_memorys_order(stored, dims, monkeypatch):
     """A transposed matrix product operand's column norms (GPT-2's tied embedding, transposed for the logits) are
     its stored matrix's row norms: ATen's norm over the memory's innermost dimension reads it once, where the
@@ -279,18 +280,26 @@ def test_a_transposed_operands_norms_are_taken_in_its_memorys_order(stored, dims
     monkeypatch.setenv("VERITRAIN_COMPILE_MIN_NUMEL", str(1 << 62))
     torch.manual_seed(5)
     x = torch.randn(stored, dtype=torch.float64).transpose(-2, -1)
-    strided = []
-    orig_mul = torch.Tensor.__mul__
+    strided, strided_norms = [], []
+    orig_mul, orig_norm = torch.Tensor.__mul__, torch.linalg.vector_norm
 
     def mul(a, b):
         strided.append(not a.is_contiguous())
         return orig_mul(a, b)
 
+    def norm(a, dim=None, **kw):
+        # ATen's norm runs at memory speed where it reduces the memory's innermost dimension, strided otherwise
+        reduced = [d % a.dim() for d in ([dim] if isinstance(dim, int) else dim or range(a.dim()))]
+        strided_norms.append(not any(a.stride(d) == 1 or a.shape[d] == 1 for d in reduced))
+        return orig_norm(a, dim=dim, **kw)
+
     monkeypatch.setattr(torch.Tensor, "__mul__", mul)
+    monkeypatch.setattr(torch.linalg, "vector_norm", norm)
     got = vector_norm(x, dims)
     energy = sum_of_squares(x, dims)
     monkeypatch.undo()
     assert not any(strided), "a sum of squares over the strided view"
+    assert not any(strided_norms), "ATen's norm over a dimension that is not the memory's innermost"
     want = torch.linalg.vector_norm(x, dim=dims, keepdim=True)
     assert got.shape == energy.shape == want.shape and got.is_contiguous()
     assert torch.allclose(got, want, rtol=1e-13, atol=0)

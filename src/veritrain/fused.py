@@ -506,11 +506,14 @@ def _eager_squares(x: torch.Tensor, dims) -> torch.Tensor:
 def vector_norm(x: torch.Tensor, dims) -> torch.Tensor:
     """||x|| over ``dims``, keepdim: the compiled sum of squares where sum_of_squares takes it; ATen's norm
     over the innermost dimension alone (memory speed there); else the eager sum of squares (ATen's norm over
-    outer dimensions ran up to 30x slower here: python bench/bench_conv_scales.py)."""
+    outer dimensions ran up to 30x slower here: python bench/bench_conv_scales.py). Innermost in memory, not only
+    in the view: over a transposed operand's last dimension (a weight gradient's x^T, attention's K^T) ATen's norm
+    reads a strided dimension, 3-8x the time of the sum over the memory's rows (python bench/bench_conv_scales.py,
+    its third table)."""
     out = _compiled_squares(x, dims)
     if out is not None:
         return out.sqrt()
-    if not x.dim() or {d % x.dim() for d in dims} == {x.dim() - 1}:
+    if not x.dim() or ({d % x.dim() for d in dims} == {x.dim() - 1} and (x.stride(-1) == 1 or x.shape[-1] == 1)):
         return torch.linalg.vector_norm(x, dim=dims, keepdim=True)
     laid = _in_memory_order(vector_norm, x, dims)  # ATen's norm where that reduces the innermost dimension
     return _eager_squares(x, dims).sqrt_() if laid is None else laid
@@ -533,9 +536,11 @@ def _in_memory_order(reduce, x: torch.Tensor, dims):
 
 
 # Below this many elements the eager sum of squares was faster than the compiled one on this project's CPUs
-# (python bench/bench_conv_scales.py: a compiled call costs ~0.1-0.2 ms; near 2**21 float64 values the two
-# were even)
-SQUARES_MIN_NUMEL = 1 << 21
+# (python bench/bench_conv_scales.py, its second table: a compiled call costs ~0.1-0.2 ms; at 393216 float64
+# values the eager one took 206 us against 308 on an AVX2 machine, at 1572864 the compiled one 1104 against 1223
+# there and 460-660 against 1110-1340 on an Intel Xeon with AVX-512, where it was faster from 393216 values). The
+# eager one also writes x * x in full first, which in a step is fresh memory, not the bench's reused buffer.
+SQUARES_MIN_NUMEL = 1 << 20
 
 
 def _compiled_squares(x: torch.Tensor, dims):

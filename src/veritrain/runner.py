@@ -515,6 +515,9 @@ def _train(opts: TrainOptions, device, probe) -> dict:
                     record_hashes = []
                     m["steps_completed"] = done
                     store.save_manifest(opts.out, m)
+                # and no rank starts the next interval before the checkpoint is committed: a rank lost there
+                # would have the launcher stop rank 0 mid-commit, and the run resume from the one before
+                parallel.barrier()
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)  # before update: a progress line shows this step's loss
             bar.update(1)
     finally:

@@ -129,6 +129,34 @@ def replay(path, fn, *inputs):
     return mode.stats, out
 
 
+def test_row1_an_unneeded_direction_entry_that_agrees_is_rejected_as_another_machine_would(tmp_path):
+    """A direction entry names a neighbour of the cell its result lies in, so an entry that agrees with this
+    auditor's own rounding, far from any midpoint, can contradict another honest auditor's. Forged at a result one
+    float64 ulp below the grid point 1.0 ("away": 1.0, this auditor's own rounding), it reads as 1.0 plus a cell to
+    an auditor whose result is one ulp above 1.0, within the error bound. Both must reject it: that one because it
+    contradicts far from any midpoint, this one only because no entry is needed there (AuditorHalf.replay). Without
+    that check the verdict, and the referee's, would depend on the machine (docs/SPEED-RECORD.md, session 52)."""
+    below, above = torch.tensor([[1.0, -2.0**-53]]), torch.tensor([[1.0, 2.0**-52]])  # float32 operands
+    ones = torch.ones(2, 1)
+    path, (step, bits, ops) = step_log(tmp_path, torch.mm, below, ones)
+    out = ops[-1].outputs[0]
+    assert not out.n_entries, "an honest trainer logs nothing this far from a midpoint"
+    out.dir_pos, out.dir_bits = np.array([0], dtype=np.int64), np.array([True])
+    write_records(path, step, bits, ops)
+    # the two float64 results, within the error bound of each other, and what the one entry says to each
+    y_below = torch.tensor([1 - 2.0**-53], dtype=torch.float64)
+    y_above = torch.tensor([1 + 2.0**-52], dtype=torch.float64)
+    tau = EngineConfig().thresholds["accumulate"] * UNIT_ROUNDOFF * 2  # sqrt(2) * ||row|| * ||column||, about 2
+    assert (y_above - y_below).abs().item() < tau
+    away = torch.tensor([True])
+    assert GRID.apply_direction(y_below, away).item() == GRID.round(y_below).item() == 1.0
+    assert GRID.apply_direction(y_above, away).item() == 1 + 2.0**-23 != GRID.round(y_above).item()
+    for operands in (below, above):
+        stats, _ = replay(path, torch.mm, operands, ones)
+        assert stats.suspicious_count == 1 and stats.suspicious[0].kind == "direction", \
+            [x.detail for x in stats.suspicious]
+
+
 @pytest.mark.parametrize("kind", ["value", "direction"])
 @pytest.mark.parametrize("where", ["nan", "inf"])
 def test_row13_entries_at_nan_or_infinite_results_are_suspicious(tmp_path, kind, where):

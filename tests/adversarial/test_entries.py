@@ -129,6 +129,59 @@ def replay(path, fn, *inputs):
     return mode.stats, out
 
 
+def cancelling_product_log(tmp_path, bits: int):
+    """A one-op step whose only result is exactly 0 (1 * 0.75 + 1 * -0.75): its grid cell is not determined by its
+    error bound (about 10^-15), so the honest log holds a value entry there, of 0. Returns (the log's path, its
+    records, the product's operands)."""
+    a, b = torch.tensor([[1.0, 1.0]]), torch.tensor([[0.75], [-0.75]])
+    path = str(tmp_path / f"cancel{bits}.vtlog")
+    w = StepLogWriter(path, 0, bits)
+    with step_context(EngineConfig(bits=bits), 0, writer=w):
+        torch.mm(a, b)
+    w.close()
+    records = read_records(path)
+    out = records[2][-1].outputs[0]
+    assert out.val_pos.tolist() == [0] and out.val_bits.view(np.float32).tolist() == [0.0], "no honest value entry"
+    return path, records, (a, b)
+
+
+def replay_with_value(path, records, operands, bits: int, value: np.float32):
+    """The log with its value entry replaced by ``value``, replayed: (the statistics, the product)."""
+    step, log_bits, ops = records
+    ops[-1].outputs[0].val_bits = np.array([value]).view(np.uint32)
+    write_records(path, step, log_bits, ops)
+    with StepLogReader(path, expect_step=0, expect_bits=bits) as reader:
+        with step_context(EngineConfig(bits=bits), 0, reader=reader) as mode:
+            out = torch.mm(*operands)
+    return mode.stats, out
+
+
+def test_row1_a_value_entry_outside_the_honest_window_is_rejected_where_one_is_needed(tmp_path):
+    """Where a value entry is needed, the logged value must still be one an honest trainer could have produced: a
+    grid point in [round(y - tau), round(y + tau)] (AuditorHalf.replay's window). 1.0 in place of the honest 0 is
+    needed, on the grid and finite, so only the window stops it; a value inside it is the trainer's freedom."""
+    path, records, operands = cancelling_product_log(tmp_path, 32)
+    stats, _ = replay_with_value(path, records, operands, 32, np.float32(1.0))
+    assert stats.suspicious_count == 1, [x.detail for x in stats.suspicious]
+    assert stats.suspicious[0].kind == "value" and stats.suspicious[0].position == 0
+    stats, out = replay_with_value(path, records, operands, 32, np.float32(2.0**-60))  # inside: accepted
+    assert stats.suspicious_count == 0 and out.item() == 2.0**-60
+
+
+def test_row1_a_value_entry_off_a_coarser_grid_is_rejected(tmp_path):
+    """On a grid coarser than float32 (b < 32), a value entry must be a grid point. 2^-60 (1 + 2^-20) lies between
+    two b = 24 grid points, inside the honest window where a value entry is needed, so only the grid check stops
+    it; the auditor writes the nearest grid point in its place, so the result stays on the grid either way."""
+    grid = Grid(24)
+    off = np.float32(2.0**-60 * (1 + 2.0**-20))
+    assert not grid.on_grid(np.array([off]))[0] and grid.on_grid(np.array([np.float32(2.0**-60)]))[0]
+    path, records, operands = cancelling_product_log(tmp_path, 24)
+    stats, out = replay_with_value(path, records, operands, 24, off)
+    assert stats.suspicious_count == 1, [x.detail for x in stats.suspicious]
+    assert stats.suspicious[0].kind == "value" and stats.suspicious[0].position == 0
+    assert bool(grid.on_grid(out.detach()).all())
+
+
 def test_row1_an_unneeded_direction_entry_that_agrees_is_rejected_as_another_machine_would(tmp_path):
     """A direction entry names a neighbour of the cell its result lies in, so an entry that agrees with this
     auditor's own rounding, far from any midpoint, can contradict another honest auditor's. Forged at a result one

@@ -61,3 +61,30 @@ def test_a_scalar_flipped_within_the_threshold_is_an_honest_correction(tmp_path)
             replayed = torch.mul(t, x)
     assert float(replayed[0]) == 1.0 and mode.stats.suspicious_count == 0
     assert mode.stats.corrections["forward"] == 1
+
+
+def test_an_unneeded_scalar_entry_that_agrees_is_rejected_as_another_machine_would(tmp_path):
+    """A scalar entry names a neighbour on the scalar's own side of its float32 rounding, so one that agrees with the
+    auditor's rounding far from any midpoint can contradict another honest auditor's, whose scalar lies within
+    SCALAR_THRESHOLD on the other side of a float32 value g. Logged "away" for a scalar just below g, it gives g (this
+    auditor's own rounding) and, to the other, the float32 value after g. Both must reject it: that one because it
+    contradicts far from any midpoint, this one only because no entry is needed there (AuditorHalf.force_scalar)."""
+    g = 1.0 + 2.0**-23
+    below, above = g * (1 - 2.0**-40), g * (1 + 2.0**-40)
+    assert abs(above - below) < SCALAR_THRESHOLD * g
+    t = torch.ones(16)
+    path = str(tmp_path / "step.vtlog")
+    w = StepLogWriter(path, 0, 32)
+    with step_context(EngineConfig(), 0, writer=w):
+        torch.mul(t, below)
+    w.close()
+    step, bits, ops = read_records(path)
+    assert ops[-1].scalars == [], "an honest trainer logs nothing this far from a midpoint"
+    ops[-1].scalars.append((1, True))
+    write_records(path, step, bits, ops)
+    for x, forced in ((below, g), (above, g + 2.0**-23)):
+        with StepLogReader(path, expect_step=0, expect_bits=32) as reader:
+            with step_context(EngineConfig(), 0, reader=reader) as mode:
+                replayed = torch.mul(t, x)
+        assert float(replayed[0]) == float(np.float32(forced))
+        assert mode.stats.suspicious_count == 1, (x, [s.detail for s in mode.stats.suspicious])

@@ -112,19 +112,20 @@ def test_row1_value_entries_where_none_is_needed_are_rejected(tmp_path, monkeypa
     assert any("suspicious" in x for x in r["reasons"])
 
 
-def step_log(tmp_path, fn, *inputs):
-    """Run ``fn`` as a one-op step under the trainer's engine; returns (log path, its records)."""
+def step_log(tmp_path, fn, *inputs, bits: int = 32):
+    """Run ``fn`` as a one-op step under the trainer's engine (on the grid of ``bits``); returns (log path, its
+    records)."""
     path = str(tmp_path / "step.vtlog")
-    w = StepLogWriter(path, 0, 32)
-    with step_context(EngineConfig(), 0, writer=w):
+    w = StepLogWriter(path, 0, bits)
+    with step_context(EngineConfig(bits=bits), 0, writer=w):
         fn(*inputs)
     w.close()
     return path, read_records(path)
 
 
-def replay(path, fn, *inputs):
-    with StepLogReader(path, expect_step=0, expect_bits=32) as reader:
-        with step_context(EngineConfig(), 0, reader=reader) as mode:
+def replay(path, fn, *inputs, bits: int = 32):
+    with StepLogReader(path, expect_step=0, expect_bits=bits) as reader:
+        with step_context(EngineConfig(bits=bits), 0, reader=reader) as mode:
             out = fn(*inputs)
     return mode.stats, out
 
@@ -134,12 +135,7 @@ def cancelling_product_log(tmp_path, bits: int):
     error bound (about 10^-15), so the honest log holds a value entry there, of 0. Returns (the log's path, its
     records, the product's operands)."""
     a, b = torch.tensor([[1.0, 1.0]]), torch.tensor([[0.75], [-0.75]])
-    path = str(tmp_path / f"cancel{bits}.vtlog")
-    w = StepLogWriter(path, 0, bits)
-    with step_context(EngineConfig(bits=bits), 0, writer=w):
-        torch.mm(a, b)
-    w.close()
-    records = read_records(path)
+    path, records = step_log(tmp_path, torch.mm, a, b, bits=bits)
     out = records[2][-1].outputs[0]
     assert out.val_pos.tolist() == [0] and out.val_bits.view(np.float32).tolist() == [0.0], "no honest value entry"
     return path, records, (a, b)
@@ -150,10 +146,7 @@ def replay_with_value(path, records, operands, bits: int, value: np.float32):
     step, log_bits, ops = records
     ops[-1].outputs[0].val_bits = np.array([value]).view(np.uint32)
     write_records(path, step, log_bits, ops)
-    with StepLogReader(path, expect_step=0, expect_bits=bits) as reader:
-        with step_context(EngineConfig(bits=bits), 0, reader=reader) as mode:
-            out = torch.mm(*operands)
-    return mode.stats, out
+    return replay(path, torch.mm, *operands, bits=bits)
 
 
 def test_row1_a_value_entry_outside_the_honest_window_is_rejected_where_one_is_needed(tmp_path):

@@ -233,3 +233,102 @@ def test_sampled_audits_draw_unpredictable_intervals_and_can_be_repeated(tmp_pat
     assert len(seeds) == 3, "each sampled audit draws a fresh seed"
     again = audit_json(run, "native", "--sample", 2, "--seed", r["sample_seed"])
     assert [i["interval"] for i in again["intervals"]] == [i["interval"] for i in r["intervals"]]
+
+
+# --- every refusal of Policy.admit, field by field ----------------------------------------------------------------
+
+def admissible_manifest(**fields) -> dict:
+    """A manifest the default policy admits (digits-cnn's own config), with ``fields`` replaced."""
+    from veritrain.task import default_config
+
+    m = {"format": store.FORMAT, "task": "digits-cnn", "seed": 0, "steps": 4, "checkpoint_every": 2, "bits": 32,
+         "mode": "verified", "config": default_config("digits-cnn"), "thresholds": {}}
+    m.update(fields)
+    return m
+
+
+D1, D2 = "a" * 64, "b" * 64
+REFUSALS = [  # (id, the policy's pinned fields, the manifest's edits, what the refusal must say)
+    ("an older format", {}, {"format": "veritrain-run/1"}, "field 'format'"),
+    ("another task than the contract's", {"task": "digits-cnn"}, {"task": "resnet-cifar10"}, "the policy's task is"),
+    ("a task that is not built in", {}, {"task": "subprocess:run"}, "not a built-in task"),
+    ("another task source", {"task_source_sha256": D1}, {"task_source_sha256": D2}, "field 'task_source_sha256'"),
+    ("seed true", {}, {"seed": True}, "field 'seed' is missing or not a int"),
+    ("steps as text", {}, {"steps": "4"}, "field 'steps' is missing or not a int"),
+    ("no config", {}, {"config": None}, "field 'config' is missing or not a dict"),
+    ("a seed the contract does not name", {"seed": 1}, {}, "field 'seed' is 0, the policy requires 1"),
+    ("a grid the contract does not name", {"bits": 32}, {"bits": 31}, "field 'bits' is 31, the policy requires 32"),
+    ("an unknown mode", {}, {"mode": "sloppy"}, "field 'mode' is 'sloppy', not one of"),
+    ("a grid finer than float32", {}, {"bits": 40}, "field 'bits' is 40, not in 23..32"),
+    ("a grid coarser than bfloat16's", {}, {"bits": 22}, "field 'bits' is 22, not in 23..32"),
+    ("negative steps", {}, {"steps": -1}, "field 'steps' is -1"),
+    ("2**41 steps", {}, {"steps": 2**41}, "field 'steps' is 2199023255552"),
+    ("checkpoints every 0 steps", {}, {"checkpoint_every": 0}, "field 'checkpoint_every' must be positive"),
+    ("a negative seed", {}, {"seed": -1}, "field 'seed' must be in 0..2**63-1"),
+    ("a seed of 2**63", {}, {"seed": 2**63}, "field 'seed' must be in 0..2**63-1"),
+    ("an unknown threshold class", {}, {"thresholds": {"bogus": 1.0}}, "names an unknown class 'bogus'"),
+    ("a zero threshold", {}, {"thresholds": {"elementwise": 0}}, "not a positive number"),
+    ("a NaN threshold", {}, {"thresholds": {"elementwise": float("nan")}}, "not a positive number"),
+    ("a threshold of 10**400", {}, {"thresholds": {"elementwise": 10**400}}, "not a positive number"),
+    ("a threshold as text", {}, {"thresholds": {"elementwise": "1"}}, "not a positive number"),
+    ("a threshold above the ceiling", {}, {"thresholds": {"elementwise": 1e18}}, "above the policy's ceiling"),
+    ("a threshold above the contract's ceiling", {"thresholds": {"accumulate": 4.0}},
+     {"thresholds": {"accumulate": 8.0}}, "above the policy's ceiling 4"),
+    ("a slack of 1e300", {}, {"slack": 1e300}, "field 'slack'"),
+    ("a slack of 0", {}, {"slack": 0}, "field 'slack'"),
+    ("a NaN slack", {}, {"slack": float("nan")}, "field 'slack'"),
+    ("a slack as text", {}, {"slack": "2"}, "field 'slack'"),
+    ("one micro-batch named", {}, {"micro_batches": 1}, "field 'micro_batches' is '1', not a whole number"),
+    ("4097 micro-batches", {}, {"micro_batches": 4097}, "field 'micro_batches' is '4097'"),
+    ("micro-batches true", {}, {"micro_batches": True}, "field 'micro_batches' is 'True'"),
+    ("micro-batches 2.0", {}, {"micro_batches": 2.0}, "field 'micro_batches' is '2.0'"),
+    ("no micro-batches where the contract names 2", {"micro_batches": 2}, {},
+     "field 'micro_batches' is 1, the policy requires 2"),
+    ("another initial state", {"initial_state_sha256": D1}, {"initial_state_sha256": D2},
+     "field 'initial_state_sha256'"),
+    ("no initial state where the contract pins one", {"initial_state_sha256": D1}, {},
+     "field 'initial_state_sha256' is 'None'"),
+    ("data hashes that are not digests", {}, {"data_sha256": {"corpus": "not hex"}}, "not a map of config keys"),
+    ("data hashes for an own loop", {"task": "loop:" + D1}, {"task": "loop:" + D1, "data_sha256": {"x": D1}},
+     "is given for a run of an own loop"),
+    ("other data than the contract's", {"data_sha256": {"corpus": D1}}, {"data_sha256": {"corpus": D2}},
+     "the policy pins"),
+    ("no data hashes where the contract pins some", {"data_sha256": {"corpus": D1}}, {}, "the policy pins"),
+    ("another config than the contract's", {"config": {"width": 8}}, {}, "differs from the policy's at keys ['width']"),
+    ("a config key the task does not have", {}, {"config": {"bogus": 1}}, "names keys the task does not have"),
+]
+
+
+@pytest.mark.parametrize("pinned, edits, words", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_admit_refuses_each_field_outside_the_policy_and_names_it(pinned, edits, words):
+    """Each refusal of `Policy.admit` (the auditor's trust boundary, docs/SECURITY.md "What the auditor takes from
+    whom"), played against the policy directly: a manifest that differs from an admissible one in that field
+    alone is refused, and the refusal names the field. The audits above reach a few of these through the whole
+    command; this holds every one (each case fails with its check dropped), and the control below holds that the
+    manifest is otherwise admissible."""
+    from veritrain.policy import Policy, PolicyError
+
+    policy = Policy(**pinned)
+    manifest = admissible_manifest(**edits)
+    build = not str(manifest["task"]).startswith("loop:")  # an own loop's task is its script: nothing to import
+    with pytest.raises(PolicyError) as refused:
+        policy.admit(manifest, build=build)
+    assert words in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("pinned, edits", [
+    ({}, {}), ({"task": "digits-cnn", "seed": 0, "bits": 32, "micro_batches": 1}, {}),
+    ({"micro_batches": 2}, {"micro_batches": 2}), ({"initial_state_sha256": D1}, {"initial_state_sha256": D1}),
+    ({"data_sha256": {"corpus": D1}}, {"data_sha256": {"corpus": D1}}), ({}, {"slack": 1.5}),
+    ({}, {"thresholds": {"elementwise": 1.0, "accumulate": 8}}), ({"task": "loop:" + D1}, {"task": "loop:" + D1}),
+], ids=["default", "pinned as the run", "2 micro-batches", "an initial state", "data", "a smaller slack",
+        "thresholds at or below the ceilings", "an own loop"])
+def test_admit_takes_a_manifest_inside_the_policy(pinned, edits):
+    """The control for the refusals above: the same manifests without the one field outside the policy are
+    admitted, with the auditor's slack and the run's thresholds over the built-in ones."""
+    from veritrain.policy import Policy
+
+    manifest = admissible_manifest(**edits)
+    run = Policy(**pinned).admit(manifest, build=not manifest["task"].startswith("loop:"))
+    assert run.slack == 2.0 and run.micro_batches == edits.get("micro_batches", 1)
+    assert run.thresholds["elementwise"] == edits.get("thresholds", {}).get("elementwise", 32.0)

@@ -21,6 +21,30 @@ def test_varints_round_trip(values):
     assert decode_varints(encode_varints(a), len(values)).tolist() == values
 
 
+@pytest.mark.parametrize("buf, count, words", [
+    (b"\x01", 0, "has bytes but no entries"),
+    (b"\x01\x02", 1, "holds 2 varints, expected 1"),
+    (b"\x81", 1, "holds 0 varints, expected 1"),
+    (b"\x01\x81", 1, "holds 1 varints, expected 1"),  # one value, then bytes that do not end one
+    (b"\xff" * 9 + b"\x01", 1, "longer than 63 bits"),
+], ids=["bytes for no values", "a value too many", "no value ends", "bytes after the last value", "ten bytes"])
+def test_varints_that_are_not_count_values_of_63_bits_are_refused(buf, count, words):
+    with pytest.raises(LogFormatError, match=words):
+        decode_varints(buf, count)
+
+
+@pytest.mark.parametrize("pos", [[3, 3], [5, 2], list(range(40)) + [39]], ids=["repeated", "decreasing", "many"])
+def test_the_writer_refuses_positions_that_are_not_strictly_increasing(pos):
+    """A log's gap blocks encode strictly increasing positions (docs/FORMAT.md): the writer never writes another
+    list, by its Python path for a few positions or its NumPy one for many."""
+    with pytest.raises(ValueError, match="strictly increasing"):
+        logformat.encode_positions(np.array(pos, dtype=np.int64))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        positions_to_gaps(np.array(pos, dtype=np.int64))
+    with pytest.raises(ValueError, match="non-negative"):
+        logformat._varint(-1)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.sets(st.integers(min_value=0, max_value=10**12), max_size=100))
 def test_gap_coding_round_trip(positions):
@@ -255,6 +279,29 @@ def test_reader_checks_step_bits_and_magic(tmp_path):
         StepLogReader(b"XXXXXXXX" + data[8:])
     with pytest.raises(LogFormatError, match="cannot open"):
         StepLogReader(str(tmp_path / "missing.vtlog"))
+
+
+def test_a_log_file_that_fails_while_read_is_a_log_error_naming_it(tmp_path):
+    """A run file that grows past its cap while it is read raises RunFileError from its read; the reader names the
+    log and the problem as a LogFormatError (the audit's reason to reject), not a crash inside its decoder."""
+    from veritrain.store import RunFileError
+
+    data = open(sample_log(tmp_path), "rb").read()
+
+    class Failing:  # the bytes of an honest log up to its last 8, then the read that finds the file grown
+        path = "logs/step_00000003.vtlog"
+
+        def __init__(self):
+            self.left = memoryview(data[:-8])
+
+        def read(self, n=-1):
+            if not self.left:
+                raise RunFileError("step_00000003.vtlog", self.path, "grew past the 10-byte limit while it was read")
+            out, self.left = bytes(self.left[:n]), self.left[n:]
+            return out
+
+    with pytest.raises(LogFormatError, match="step_00000003.vtlog: grew past the 10-byte limit"):
+        StepLogReader(Failing()).read_all()
 
 
 def test_truncated_and_corrupt_logs_are_errors(tmp_path):

@@ -304,6 +304,18 @@ def test_a_log_file_that_fails_while_read_is_a_log_error_naming_it(tmp_path):
         StepLogReader(Failing()).read_all()
 
 
+@pytest.mark.parametrize("limit, words", [("MAX_LOG_BYTES", "larger than 64 bytes"),
+                                           ("MAX_DECODED", "decompresses to more than 64 bytes")])
+def test_a_log_read_from_a_stream_is_bounded_by_its_size_and_what_it_decodes_to(tmp_path, monkeypatch, limit, words):
+    """A log given as bytes or a stream has no file size to refuse it by at open: the reader counts what it reads
+    and what that decompresses to, and stops at either limit (here lowered to 64 bytes, below the sample's)."""
+    data = open(sample_log(tmp_path), "rb").read()
+    StepLogReader(data).read_all()  # the honest log, within the real limits
+    monkeypatch.setattr(logformat, limit, 64)
+    with pytest.raises(LogFormatError, match=words):
+        StepLogReader(data).read_all()
+
+
 def test_truncated_and_corrupt_logs_are_errors(tmp_path):
     data = open(sample_log(tmp_path), "rb").read()
     for cut in range(len(MAGIC), len(data)):

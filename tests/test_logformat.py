@@ -334,7 +334,7 @@ def test_records_are_validated(tmp_path):
     def frame(payload: bytes) -> bytes:
         return MAGIC + zstandard.ZstdCompressor().compress(payload)
 
-    header = b"H\x00\x20"
+    header, v = b"H\x00\x20", logformat._varint
     cases = {
         b"": "truncated",
         b"Q": "missing header",
@@ -347,6 +347,13 @@ def test_records_are_validated(tmp_path):
         header + b"E\x01\x00\x00\x00\x00": "END totals",
         header + b"E\x00\x00\x00\x00\x00junk": "data after the END",
         header + b"N\x00\x01aO\x00\x00\x01\x41": "dimensions",
+        header + b"N\x00\x01aO\x00" + v(1025): "too many scalar entries",
+        header + b"N\x00\x01aO\x00\x01\x00\x02": "scalar direction must be 0 or 1",
+        header + b"N\x00\x01aO\x00\x00" + v((1 << 20) + 1): "too many outputs",
+        header + b"N\x00\x01aO\x00\x00\x01\x02" + v(1 << 25) + v(1 << 24): "is too large",
+        header + b"N\x00\x01aO\x00\x00\x01\x01\x04\x01\x01\x00\x02": "padding bits set",
+        header + b"N\x00\x01aO\x00\x00\x01\x01\x04\x01\x01\x00\x00\x01\x01\x00\x00\x00\x80\x3f":
+            "both a direction and a value entry",
     }
     for payload, message in cases.items():
         with pytest.raises(LogFormatError, match=message):

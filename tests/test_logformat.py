@@ -316,6 +316,20 @@ def test_a_log_read_from_a_stream_is_bounded_by_its_size_and_what_it_decodes_to(
         StepLogReader(data).read_all()
 
 
+def test_bytes_after_the_frame_and_an_op_record_over_its_budget_are_refused(tmp_path, monkeypatch):
+    """Nothing may follow the compressed frame (a log has one byte string per meaning); an op record's entry
+    blocks are charged to its budget as declared, before they are read (here the budget lowered to 12 bytes, below
+    the sample's first record's 15)."""
+    data = open(sample_log(tmp_path), "rb").read()
+    with pytest.raises(LogFormatError, match="trailing bytes after the compressed frame"):
+        StepLogReader(data + b"\x00").read_all()
+    monkeypatch.setattr(logformat, "MAX_OP_BYTES", 12)
+    with pytest.raises(LogFormatError, match="op record larger than 12 bytes"):
+        StepLogReader(data).read_all()
+    monkeypatch.setattr(logformat, "MAX_OP_BYTES", 15)
+    assert len(StepLogReader(data).read_all()) == 2
+
+
 def test_truncated_and_corrupt_logs_are_errors(tmp_path):
     data = open(sample_log(tmp_path), "rb").read()
     for cut in range(len(MAGIC), len(data)):

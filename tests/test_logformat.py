@@ -41,6 +41,12 @@ def test_the_writer_refuses_positions_that_are_not_strictly_increasing(pos):
         logformat.encode_positions(np.array(pos, dtype=np.int64))
     with pytest.raises(ValueError, match="strictly increasing"):
         positions_to_gaps(np.array(pos, dtype=np.int64))
+
+
+@pytest.mark.timeout(30)  # without the check the encoder loops forever: fail, do not hang
+def test_the_writer_refuses_a_negative_varint():
+    """A varint codes a count, a gap or a length: a negative one has no encoding (shifting it right never reaches
+    zero), so the writer refuses it by name."""
     with pytest.raises(ValueError, match="non-negative"):
         logformat._varint(-1)
 

@@ -247,6 +247,11 @@ def admissible_manifest(**fields) -> dict:
     return m
 
 
+def admit(policy, manifest: dict):
+    """``policy.admit`` as the auditor calls it: an own loop's task is its script, so there is nothing to build."""
+    return policy.admit(manifest, build=not str(manifest["task"]).startswith("loop:"))
+
+
 D1, D2 = "a" * 64, "b" * 64
 REFUSALS = [  # (id, the policy's pinned fields, the manifest's edits, what the refusal must say)
     ("an older format", {}, {"format": "veritrain-run/1"}, "field 'format'"),
@@ -308,11 +313,8 @@ def test_admit_refuses_each_field_outside_the_policy_and_names_it(pinned, edits,
     manifest is otherwise admissible."""
     from veritrain.policy import Policy, PolicyError
 
-    policy = Policy(**pinned)
-    manifest = admissible_manifest(**edits)
-    build = not str(manifest["task"]).startswith("loop:")  # an own loop's task is its script: nothing to import
     with pytest.raises(PolicyError) as refused:
-        policy.admit(manifest, build=build)
+        admit(Policy(**pinned), admissible_manifest(**edits))
     assert words in str(refused.value), str(refused.value)
 
 
@@ -328,7 +330,6 @@ def test_admit_takes_a_manifest_inside_the_policy(pinned, edits):
     admitted, with the auditor's slack and the run's thresholds over the built-in ones."""
     from veritrain.policy import Policy
 
-    manifest = admissible_manifest(**edits)
-    run = Policy(**pinned).admit(manifest, build=not manifest["task"].startswith("loop:"))
+    run = admit(Policy(**pinned), admissible_manifest(**edits))
     assert run.slack == 2.0 and run.micro_batches == edits.get("micro_batches", 1)
     assert run.thresholds["elementwise"] == edits.get("thresholds", {}).get("elementwise", 32.0)

@@ -25,7 +25,7 @@ from veritrain import store
 from veritrain.commitments import batch_hash
 from veritrain.engine import OpTrace, VerifiedMode, _tensor_digest, dump_call, load_call
 from veritrain.policy import Policy
-from veritrain.protocol import Challenger, LocalProver, play
+from veritrain.protocol import Challenger, LocalProver, ProverError, play
 from veritrain.rounding import Grid
 from veritrain.runner import TrainOptions, _prepare_batch, train
 from veritrain.server import HttpProver, make_server
@@ -397,6 +397,167 @@ def test_an_answer_that_is_not_a_leaf_loses(doubled_run, tmp_path):
     v = Challenger(HostileAnswers(str(run), "no leaf"), audit_state).play()
     assert v["verdict"] == "trainer_wrong", v
     assert any("is not a leaf and its inclusion proof" in r for r in v["reasons"]), v
+
+
+# --- every refusal of the challenger, one lie each ----------------------------------------------------------
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+class CommittedLies(StepSizeProver):
+    """The doubled run's prover, with one lie: an answer that is not what the trainer committed to (a data
+    record, a checkpoint, the initialisation log, the manifest), an answer out of its shape, or a run whose
+    commitments themselves are malformed (a leaf, a record a leaf commits to). For the last, the prover serves
+    the tree of the edited leaves and `root` is its root: the root an audit of such a run holds."""
+
+    def __init__(self, run_dir, lie):
+        super().__init__(run_dir)
+        self.lie = lie
+        leaf = store.parse_leaf(self._leaves[1])
+        run_sha, state, records = bytes.fromhex(leaf["run_sha256"]), leaf["state_sha256"], leaf["records"]
+        edited = {"a malformed leaf": (1, b"not a leaf"),
+                  "a malformed leaf before the disputed one": (0, b"not a leaf"),
+                  "a leaf of another run": (1, store.leaf_data(1, 2, 4, bytes(32), state, records)),
+                  "a leaf of other steps": (1, store.leaf_data(1, 4, 6, run_sha, state, records)),
+                  "a committed record that is not an object": (
+                      1, store.leaf_data(1, 2, 4, run_sha, state, [_sha(b"[]"), records[1]]))}.get(lie)
+        if lie == "a committed rounding log that is malformed":  # its record, and the leaf, name the bad log
+            rec = json.loads(self._read(store.record_name(2)))
+            self.bad_record = store.record_bytes(2, rec["batch_sha256"], rec["batch_indices"], rec["loss"],
+                                                 _sha(b"not a log"))
+            edited = (1, store.leaf_data(1, 2, 4, run_sha, state, [_sha(self.bad_record), records[1]]))
+        if edited is not None:
+            self._leaves[edited[0]] = edited[1]
+            self._tree = store.tree_of(self._leaves)
+        self.root = self._tree.root().hex()
+        if lie == "a malformed initialisation log":
+            self._manifest = {**self._manifest, "init_log_sha256": _sha(b"not a log")}
+        self._manifest = {**self._manifest, "root": self.root}
+
+    def manifest(self):
+        m = super().manifest()
+        if self.lie == "a manifest of another root":
+            return {**m, "root": "00" * 32}
+        return {**m, "seed": m["seed"] + 1} if self.lie == "a manifest of another run" else m
+
+    def node(self, lo, hi):
+        return super().node(lo, hi)[:31] if self.lie == "short nodes" else super().node(lo, hi)
+
+    def record(self, step):
+        if self.lie == "a refused query":
+            raise ProverError("no such record")
+        if self.lie == "a record that is not the committed one" and step == 2:
+            return super().record(step) + b" "
+        if self.lie == "a committed record that is not an object" and step == 2:
+            return b"[]"
+        if self.lie == "a committed rounding log that is malformed" and step == 2:
+            return self.bad_record
+        return super().record(step)
+
+    def log(self, step, micro=None):
+        if self.lie == "a committed rounding log that is malformed" and step == 2:
+            return b"not a log"
+        return super().log(step, micro)
+
+    def checkpoint(self, step):
+        if self.lie == "a checkpoint that does not load":
+            return b"not a checkpoint"
+        if self.lie == "another step's checkpoint":
+            return super().checkpoint(step + 2)
+        return super().checkpoint(step)
+
+    def init_log(self):
+        if self.lie == "a malformed initialisation log":
+            return b"not a log"
+        return super().init_log() + (b"\0" if self.lie == "another initialisation log" else b"")
+
+
+CHALLENGER_REFUSALS = [  # (the lie, the reason the prover loses with)
+    ("a manifest of another root", "the prover's manifest commits to root 0000000000000000…, not the audited root"),
+    ("a manifest of another run", "the prover's manifest describes another run than the one audited"),
+    ("a refused query", "the prover failed to answer record 2: no such record"),
+    ("short nodes", "are not 32-byte hashes"),
+    ("a malformed leaf", "the trainer committed a malformed leaf 1 (malformed leaf data)"),
+    ("a malformed leaf before the disputed one", "the trainer committed a malformed leaf 0 (malformed leaf data)"),
+    ("a leaf of another run", "leaf 1 commits to another run description than the prover's manifest"),
+    ("a leaf of other steps", "leaf 1 covers steps [4, 6), the committed run's interval 1 is steps [2, 4)"),
+    ("a record that is not the committed one", "the prover's data record for step 2 does not match leaf 1"),
+    ("a committed record that is not an object", "the trainer committed a malformed data record for step 2"),
+    ("a checkpoint that does not load", "interval 1: the trainer's committed files do not replay (checkpoint after "
+                                        "step 2:"),
+    ("another step's checkpoint", "interval 1: the trainer's committed files do not replay (the checkpoint for "
+                                  "step 2 holds step 4)"),
+    ("a committed rounding log that is malformed", "interval 1: the trainer's committed files do not replay (step 2: "
+                                                   "<bytes>: not a veritrain rounding log"),
+    ("another initialisation log", "the prover's initialisation log is not the one its manifest commits to"),
+    ("a malformed initialisation log", "the trainer's initialisation log is malformed"),
+]
+
+
+@pytest.mark.parametrize("lie, reason", CHALLENGER_REFUSALS, ids=[r[0] for r in CHALLENGER_REFUSALS])
+def test_each_refusal_of_the_challenger_rules_against_the_trainer(doubled_run, lie, reason):
+    """Every check the challenger makes of what the prover sends or the trainer committed, one lie at a time
+    (each case fails with its check dropped). Where the lie is in the commitments, the audit holds their root,
+    as an audit of such a run would; a dispute of the initial state is the audit's finding where the lie is in
+    the initialisation log. A partial audit of interval 1 alone reaches leaf 0 only as the disputed interval's
+    start."""
+    run, audit_state = doubled_run
+    prover = CommittedLies(str(run), lie)
+    own = {**audit_state, "root": prover.root, "run_sha256": store.run_sha256(prover._manifest).hex()}
+    if "initialisation log" in lie:
+        own["initial_state_reasons"] = ["the audit's build of the task does not give the run's initial state"]
+    if lie == "a malformed leaf before the disputed one":
+        own["leaves"] = {"1": audit_state["leaves"]["1"]}
+        own["intervals"] = [r for r in audit_state["intervals"] if r.get("interval") == 1]
+    v = play(prover, own, None, Policy())
+    assert v["verdict"] == "trainer_wrong", v
+    assert any(reason in r for r in v["reasons"]), v
+
+
+def test_a_run_outside_this_sides_policy_or_its_interval_cap_loses(doubled_run, monkeypatch):
+    """The game replays with this side's policy: a run it does not admit (another seed than the policy pins), or
+    with more intervals than the challenger bisects over, is the prover's loss before anything is replayed."""
+    from veritrain import protocol
+
+    run, audit_state = doubled_run
+    v = play(LocalProver(str(run)), audit_state, None, Policy(seed=1))
+    assert v["verdict"] == "trainer_wrong" and "field 'seed' is 0, the policy requires 1" in v["reasons"][0], v
+    monkeypatch.setattr(protocol, "MAX_INTERVALS", 2)
+    v = play(LocalProver(str(run)), audit_state, None, Policy())
+    assert v["verdict"] == "trainer_wrong", v
+    assert "the committed run has 3 intervals (6 steps, a checkpoint every 2): refused (at most 2)" in v["reasons"][0]
+
+
+@pytest.mark.parametrize("edit, error", [
+    ({"run_sha256": None}, "the audit does not record which run it audited"),
+    ({"leaves": {"0": "zz"}}, "the audit's leaves are malformed"),
+    ({"leaves": {"3": "00" * 32}}, "the audit has leaves for intervals outside the committed run's 0..2"),
+    ({"root": "zz"}, "non-hexadecimal"),
+], ids=["no run hash", "leaves not hex", "a leaf outside the run", "a root not hex"])
+def test_a_malformed_audit_is_the_auditors_own_error_not_a_verdict(doubled_run, edit, error):
+    """What the challenger takes from its own side (the audit's run hash, leaves, root) is not the prover's to
+    lose on: a malformed audit stops the game with an error naming it, and no verdict either way."""
+    run, audit_state = doubled_run
+    with pytest.raises(ValueError, match=error):
+        play(StepSizeProver(str(run)), {**audit_state, **edit}, None, Policy())
+
+
+def test_the_provers_own_refusals_name_what_it_does_not_have(doubled_run):
+    """An honest prover asked for what the run does not have (a file, a micro-batch of a run without any, an
+    operator outside a step) says so with a ProverError, which the challenger rules as a failure to answer."""
+    run, _ = doubled_run
+    p = StepSizeProver(str(run))
+    for ask, words in [(lambda: p.checkpoint(5), "the run has no readable checkpoints/step_00000005.safetensors"),
+                       (lambda: p.log(2, 1), "the run has no micro-batch 1"),
+                       (lambda: p.op(2, 0), "step 2 has no operator #0"),
+                       (lambda: p.op(2, p.op_count(2) + 1), "has no operator #"),
+                       (lambda: p.op_inputs(2, 10**6), "step 2 has no operator #1000000")]:
+        with pytest.raises(ProverError, match=words):
+            ask()
 
 
 # --- #11: a rounding steered far from any midpoint ----------------------------------------------------------

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -815,3 +816,67 @@ def test_every_http_answer_has_a_size_cap():
             HttpProver(server.url, timeout=20).leaf(0)
     finally:
         server.close()
+
+
+class Canned(Trickler):
+    """An HTTP server that answers every request with ``body`` (status 200, its Content-Length)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+        super().__init__()
+
+    def _answer(self, conn):
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(self.body) + self.body)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+def _answers():
+    from veritrain.server import MAX_PROOF
+
+    h = '"' + "00" * 32 + '"'
+    return [  # (id, the query, the prover's answer, what the refusal says)
+        ("a manifest that is a list", ("manifest",), b"[1]", "the manifest is not a JSON object"),
+        ("a node that is not JSON", ("node", 0, 1), b"{not json", "/node: the answer is not JSON"),
+        ("a node that is a list", ("node", 0, 1), b"[]", "/node: the answer is not a JSON object"),
+        ("a node that is not hex", ("node", 0, 1), b'{"hash": "zz"}', "an answer holds a malformed hash"),
+        ("a node of 1 byte", ("node", 0, 1), b'{"hash": "00"}', "an answer holds a hash that is not 32 bytes"),
+        ("a state of 1 byte", ("state_after", 0), b'{"state_sha256": "00"}', "a hash that is not 32 bytes"),
+        ("a leaf that is not hex", ("leaf", 0), b'{"data": "zz", "proof": []}', "/leaf: malformed answer"),
+        ("a leaf with no proof", ("leaf", 0), b'{"data": "00"}', "/leaf: malformed answer"),
+        ("a proof one hash too long", ("leaf", 0), ('{"data": "00", "proof": [%s]}' % ",".join(
+            [h] * (MAX_PROOF + 1))).encode(), "/leaf: malformed answer"),
+        ("a negative op count", ("op_count", 0), b'{"count": -1}', "/op_count: malformed answer"),
+        ("an op count that is true", ("op_count", 0), b'{"count": true}', "/op_count: malformed answer"),
+        ("an op count that is a list", ("op_count", 0), b"[3]", "/op_count: malformed answer"),
+        ("an op with a number for an input", ("op", 0, 1), b'{"chain": "x", "inputs": [1], "outputs": []}',
+         "/op: malformed answer"),
+        ("an op with no chain", ("op", 0, 1), b'{"inputs": [], "outputs": []}', "/op: malformed answer"),
+    ]
+
+
+@pytest.mark.parametrize("query, body, words", [a[1:] for a in _answers()], ids=[a[0] for a in _answers()])
+def test_http_answers_out_of_their_shape_are_refused(query, body, words):
+    """HttpProver checks each answer's shape as it parses it (the challenger checks types again, for provers of
+    any transport): an answer out of shape is a ProverError naming it, which the challenger rules the prover's
+    failure to answer. Each case fails with its check dropped."""
+    from veritrain.protocol import ProverError
+
+    server = Canned(body)
+    try:
+        with pytest.raises(ProverError, match=re.escape(words)):
+            getattr(HttpProver(server.url, timeout=20), query[0])(*query[1:])
+    finally:
+        server.close()
+
+
+def test_a_prover_url_that_is_not_http_is_refused():
+    from veritrain.protocol import ProverError
+
+    for url in ("ftp://127.0.0.1:80", "http://", "127.0.0.1:80"):
+        with pytest.raises(ProverError, match="expected http://HOST:PORT"):
+            HttpProver(url)

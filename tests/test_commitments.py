@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 import struct
 
 import pytest
@@ -123,3 +124,47 @@ def test_a_checkpoints_streamed_hash_is_its_state_hash(tmp_path):
         {"step": 3, "meta": meta, "state_sha256": state_hash(tensors, meta, 3)}).decode()})
     got, meta2, step, recorded = read_checkpoint(path)
     assert checkpoint_state(path) == (3, state_hash(got, meta2, step)) == (3, state_hash(tensors, meta, 3))
+
+
+def _rewrite(path, edit=None, header=None):
+    """The checkpoint at ``path`` rewritten as a hostile trainer would: ``edit(meta)`` applied and its header's
+    hash recomputed (a self-consistent file around the edit), or ``header`` as its veritrain metadata."""
+    from safetensors.torch import load_file, save_file
+
+    from veritrain.checkpoint import read_checkpoint
+    from veritrain.commitments import canonical_json, state_hash
+
+    _, meta, step, _ = read_checkpoint(path)
+    tensors = dict(load_file(path))
+    if edit is not None:
+        edit(meta)
+        header = canonical_json({"step": step, "meta": meta, "state_sha256": state_hash(tensors, meta, step)})
+    save_file(tensors, path, metadata={"veritrain": header.decode() if isinstance(header, bytes) else header})
+
+
+def _groups(edit):
+    def on(meta):
+        edit(meta["optimizer"]["param_groups"])
+    return on
+
+
+@pytest.mark.parametrize("edit, header, words", [
+    (lambda meta: meta["optimizer"].update({"class": "SGD"}), None, "holds SGD state, the task builds AdamW"),
+    (_groups(lambda gs: gs.append(dict(gs[0]))), None, "holds 2 optimizer groups, the task has 1"),
+    (_groups(lambda gs: gs[0].update({"params": ["no.such.weight"]})), None,
+     "optimizer group names unknown parameter 'no.such.weight'"),
+    (None, '{"step": -1, "meta": {}, "state_sha256": ""}', "its veritrain metadata is not {step, meta, state_sha256}"),
+    (None, '{"step": true, "meta": {}, "state_sha256": ""}', "its veritrain metadata is not {step, meta, state_sha256}"),
+    (None, '{"step": 2, "meta": [], "state_sha256": ""}', "its veritrain metadata is not {step, meta, state_sha256}"),
+], ids=["another optimizer", "two groups", "a group of another parameter", "a negative step", "a step that is true",
+        "meta that is a list"])
+def test_a_checkpoint_whose_header_describes_another_optimizer_or_no_state_is_refused(tmp_path, edit, header, words):
+    """A checkpoint's header (its JSON metadata) is the trainer's: one that names another optimizer, another
+    number of parameter groups or a parameter the task does not have, or that is not {step, meta, state_sha256},
+    is refused by name when it loads, even with its hash recomputed to match. Each case fails with its check
+    dropped."""
+    path = str(tmp_path / "c.safetensors")
+    save_checkpoint(path, *make_state(), 2)
+    _rewrite(path, edit, header)
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        load_checkpoint(path, *make_state())

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import cli
+from conftest import cli, recommit
 from veritrain import store
 from veritrain.api import verify
 from veritrain.commitments import canonical_json, state_hash
@@ -356,3 +356,69 @@ def test_verify_and_audit_hash_a_sparse_final_checkpoint_in_little_memory(run):
     assert "last leaf" in out.split("audit:")[1], p.stdout[-2000:]
     grew = int(p.stdout.rsplit("grew KiB:", 1)[1])
     assert grew < 256 << 10, f"peak memory grew by {grew >> 10} MiB"
+
+
+# --- what the audit checks before it replays anything ----------------------------------------------------
+
+
+def _leaves_of_half_the_run(run, tmp_path):
+    m = store.load_manifest(str(run))
+    m["leaves"] = m["leaves"][:2]
+    m["root"] = _root(m["leaves"])
+    store.save_manifest(str(run), m)
+    return []
+
+
+def _another_task_source(run, tmp_path):
+    m = store.load_manifest(str(run))
+    m["task_source_sha256"] = "0" * 64
+    store.save_manifest(str(run), m)
+    recommit(run)
+    return []
+
+
+def _init_log(data):
+    def edit(run, tmp_path):
+        (run / store.INIT_LOG).write_bytes(data(run))
+        return []
+    return edit
+
+
+def _recommitted(edit):
+    def both(run, tmp_path):
+        out = edit(run, tmp_path)
+        recommit(run)
+        return out
+    return both
+
+
+@pytest.mark.parametrize("edit, code, words", [
+    (lambda run, tmp_path: ["--root", "ab" * 32], 1, "not to the committed root abababababababab"),
+    (_leaves_of_half_the_run, 1, "2 leaves for 4 intervals"),
+    (_another_task_source, 1, "the source of task digits-cnn differs from the trainer's (sha256 mismatch)"),
+    (_init_log(lambda run: (run / store.INIT_LOG).read_bytes() + b"\0"), 1,
+     "is not the initialisation log the run commits to (altered, truncated or replaced)"),
+    (_recommitted(_init_log(lambda run: b"not a log")), 1, "not a veritrain rounding log"),
+    (_recommitted(_init_log(lambda run: (run / store.log_name(0)).read_bytes())), 1,
+     "initial state: the task's construction does not replay the run's initialisation log"),
+], ids=["the client's root is another", "leaves for half the run", "another task source", "an altered init log",
+        "a malformed init log, recommitted", "a step's log as the init log, recommitted"])
+def test_the_audit_refuses_before_replaying_what_does_not_match_its_commitments(run, tmp_path, edit, code, words):
+    """The checks `audit` makes before it replays a step: the manifest's leaves against the root the client
+    holds (--root) and against the run's schedule, the task's source against the one the trainer ran, the
+    initialisation log against its hash and against the task's construction. The recommitted forgeries are
+    self-consistent (every hash the trainer writes recomputed). Each case fails with its check dropped."""
+    extra = edit(run, tmp_path)
+    p = cli("audit", run, "--json", "--quiet", *extra)
+    assert p.returncode == code and words in p.stdout + p.stderr, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+
+
+def test_a_root_that_contradicts_the_auditors_policy_is_its_own_error(run):
+    """The command line refuses --root against a contract's root as it reads them; a library caller passing
+    both to the audit gets the same refusal from the audit itself, before anything of the run is trusted."""
+    from veritrain.policy import Policy
+    from veritrain.runner import audit
+
+    with pytest.raises(store.RunError, match="contradicts the policy's root cdcdcdcdcdcd") as e:
+        audit(str(run), progress=False, root="ab" * 32, policy=Policy(root="cd" * 32))
+    assert not isinstance(e.value, store.RunRejected)

@@ -6,6 +6,7 @@ Before the auditor had a policy of its own, every one of these was accepted (or 
 """
 
 import json
+import re
 import shutil
 
 import pytest
@@ -333,3 +334,50 @@ def test_admit_takes_a_manifest_inside_the_policy(pinned, edits):
     run = admit(Policy(**pinned), admissible_manifest(**edits))
     assert run.slack == 2.0 and run.micro_batches == edits.get("micro_batches", 1)
     assert run.thresholds["elementwise"] == edits.get("thresholds", {}).get("elementwise", 32.0)
+
+
+# --- the auditor's own contract: read strictly, refused as the auditor's error ----------------------------------
+
+
+@pytest.mark.parametrize("text, words", [
+    (None, "cannot read contract"),
+    (b"{", "is not valid JSON"),
+    (b"\xff\xfe", "is not valid JSON"),
+    (b"[]", "expected a JSON object with format"),
+    (b'{"format": "veritrain-contract/0"}', "expected a JSON object with format"),
+    (b'{"format": "%s", "roots": "ab"}', "unknown fields ['roots']"),
+    (b'{"format": "%s", "seed": "0"}', "field 'seed' has the wrong type (str)"),
+    (b'{"format": "%s", "seed": true}', "field 'seed' has the wrong type (bool)"),
+    (b'{"format": "%s", "thresholds": {"bogus": 1}}', "unknown threshold class 'bogus'"),
+    (b'{"format": "%s", "mode": "sloppy"}', "mode must be one of"),
+    (b'{"format": "%s", "data_sha256": {"corpus": "not hex"}}', "data_sha256 must map config keys"),
+], ids=["missing", "truncated", "not text", "a list", "another format", "an unknown field", "a seed as text",
+        "a seed that is true", "an unknown threshold class", "an unknown mode", "data hashes that are not digests"])
+def test_a_contract_the_auditor_cannot_take_is_its_own_error_naming_the_problem(tmp_path, text, words):
+    """The contract is the auditor's own input (its client's terms): one it cannot read or that says something no
+    run could meet is a RunError naming the problem, never a default policy in its place. Each case fails with
+    its check dropped."""
+    from veritrain.policy import CONTRACT_FORMAT, Policy
+
+    path = tmp_path / "contract.json"
+    if text is not None:
+        path.write_bytes(text.replace(b"%s", CONTRACT_FORMAT.encode()))
+    with pytest.raises(store.RunError, match=re.escape(words)) as e:
+        Policy.from_file(str(path))
+    assert not isinstance(e.value, store.RunRejected)
+
+
+def test_a_flag_that_contradicts_the_contract_and_an_existing_contract_path_are_refused(tmp_path):
+    from veritrain.policy import Policy, write_contract
+
+    path = tmp_path / "contract.json"
+    write_contract(str(path), Policy(task="digits-cnn", root="cd" * 32))
+    assert Policy.from_options(contract=str(path), root="cd" * 32).root == "cd" * 32  # the same root: agreed
+    with pytest.raises(store.RunError, match="--root 'abab.*' contradicts the contract's root 'cdcd"):
+        Policy.from_options(contract=str(path), root="ab" * 32)
+    with pytest.raises(store.RunError, match="--task 'resnet-cifar10' contradicts the contract's task 'digits-cnn'"):
+        Policy.from_options(contract=str(path), task="resnet-cifar10")
+    before = path.read_bytes()
+    with pytest.raises(store.RunError, match="already exists; choose a new path"):
+        write_contract(str(path), Policy())
+    assert path.read_bytes() == before  # nothing overwritten

@@ -223,3 +223,13 @@ def test_without_openat_a_symlinked_subfolder_is_still_refused(run, tmp_path, mo
     os.symlink(elsewhere, os.path.join(run, "checkpoints"))
     with pytest.raises(RunFileError, match="is in checkpoints/, a symbolic link"):
         store.read_run_file(run, CKPT)
+
+
+def test_a_file_over_its_cap_is_refused_before_it_is_opened(run, between_look_and_open):
+    """Its size from stat is enough to refuse it: the reader does not open it (the check after the open is for a
+    file that grew in between, above)."""
+    def opened(path, dir_fd):
+        raise AssertionError(f"{path} was opened")
+    between_look_and_open(os.path.basename(CKPT), opened)
+    with pytest.raises(RunFileError, match=r"is 100 bytes, over the 99-byte limit for a checkpoint \(refused unread\)"):
+        store.read_run_file(run, CKPT, max_bytes=99)

@@ -97,18 +97,36 @@ def test_few_positions_decode_as_the_vectorised_path_does(positions, numel_extra
 
 @pytest.mark.parametrize("buf,count,want", [
     (b"\x63", 1, [99]), (b"\x00\x62", 2, [0, 99]),
-    (b"\x64", 1, "error"),  # a gap past the output
-    (b"\x00\x63", 2, "error"),  # a position past the output
-    (b"\x85\x00", 1, "error"),  # a varint longer than the output's largest gap needs
-    (b"\x85", 1, "error"),  # ends inside a varint
-    (b"\x05\x01", 1, "error"), (b"\x05", 2, "error"),  # more, fewer values than the count
+    (b"\x64", 1, "entry position outside its output"),  # a gap past the output
+    (b"\x00\x63", 2, "entry position outside its output"),  # a position past the output
+    (b"\x85\x00", 1, "entry position outside its output"),  # a varint longer than the largest gap needs
+    (b"\x85", 1, "position block ends inside a varint"),
+    (b"\x05\x01", 1, "position block holds more than 1 varints"),
+    (b"\x05\x01\x02", 1, "position block holds more than 1 varints"),
+    (b"\x05", 2, "position block holds 1 varints, expected 2"),
 ])
 def test_few_and_many_positions_decode_alike_at_the_edges(buf, count, want, monkeypatch):
-    """Both decoders of an output of 100 elements (gaps of one byte) at the edges of what they accept."""
+    """Both decoders of an output of 100 elements (gaps of one byte) at the edges of what they accept, and with
+    the same refusal."""
+    def decoded():
+        try:
+            return decode_positions(buf, count, 100).tolist()
+        except LogFormatError as e:
+            return str(e)
     monkeypatch.setattr(logformat, "_FEW", 64)
-    assert _decoded(buf, count, 100) == want
+    assert decoded() == want
     monkeypatch.setattr(logformat, "_FEW", 0)
-    assert _decoded(buf, count, 100) == want
+    assert decoded() == want
+
+
+def test_a_whole_decoding_pass_without_the_end_of_a_varint_is_refused():
+    """The NumPy decoder works a pass of _DECODE_CHUNK bytes at a time: a pass holding no byte that ends a varint
+    (a run of continuation bytes before the block's last byte, which does end one) is a varint too long for any
+    position, refused by name rather than an IndexError."""
+    buf = b"\x80" * logformat._DECODE_CHUNK + b"\x01"
+    with pytest.raises(LogFormatError, match="varint longer than 63 bits in position block"):
+        decode_positions(buf, logformat._FEW + 1, 1 << 40)
+    assert _decoded(b"\x80" * 8 + b"\x01", 1, 1 << 62) == [1 << 56]  # a long varint that ends: a position
 
 
 @st.composite

@@ -4,6 +4,7 @@ of chosen intervals that can be split and restarted, and inspect's JSON."""
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from conftest import cli
+from veritrain import store
 from veritrain.runner import TrainOptions, audit, train
 from veritrain.store import RunError, ckpt_name, load_manifest, log_name, record_name, verify
 
@@ -261,3 +263,75 @@ def test_the_recorded_versions_do_not_import_transformers():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == [transformers.__version__, False]
+
+
+def _flip_last_checkpoint(run, m):
+    path = run / m["checkpoints"][-1]["file"]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _last_checkpoint_is(content):
+    def edit(run, m):
+        path = run / m["checkpoints"][-1]["file"]
+        path.write_bytes(content(run))
+        m["checkpoints"][-1]["file_sha256"] = store.file_sha256(str(path))
+    return edit
+
+
+@pytest.mark.parametrize("edit, task, words", [
+    (lambda run, m: m.update(task_source_sha256="0" * 64), "digits-cnn",
+     "the source of task digits-cnn changed since the run started; resume with the same code"),
+    (_flip_last_checkpoint, "digits-cnn", "the run's last committed checkpoint, is altered; cannot resume"),
+    (lambda run, m: os.remove(run / m["checkpoints"][-1]["file"]), "digits-cnn",
+     "the run's last committed checkpoint, does not exist; cannot resume"),
+    (_last_checkpoint_is(lambda run: b"not a checkpoint"), "digits-cnn", "is unreadable or not a veritrain checkpoint"),
+    (_last_checkpoint_is(lambda run: (run / ckpt_name(0)).read_bytes()), "digits-cnn",
+     "does not hold the committed state; cannot resume"),
+    (lambda run, m: None, "resnet-cifar10", "is a run of task 'digits-cnn', not 'resnet-cifar10'"),
+], ids=["another task source", "an altered checkpoint", "no checkpoint", "a checkpoint that is not one",
+        "another step's checkpoint", "another task"])
+def test_resume_refuses_a_run_it_cannot_continue_from_its_commitments(pristine, tmp_path, edit, task, words):
+    """A run is resumed from its last committed checkpoint, with the code and task it started with: a file that
+    is not that checkpoint (altered, missing, not one, another state with its file hash updated), another task
+    source or another task is refused by name before anything is trained or overwritten. Each case fails with
+    its check dropped."""
+    run = tmp_path / "run"
+    shutil.copytree(pristine, run)
+    m = load_manifest(str(run))
+    m["complete"] = False  # as a killed trainer leaves it
+    edit(run, m)
+    store.save_manifest(str(run), m)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(RunError, match=re.escape(words)):
+        train(TrainOptions(task=task, out=str(run), resume=True, progress=False))
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("opts, words", [
+    (dict(steps=-1), "--steps must be >= 0 and --checkpoint-every > 0"),
+    (dict(checkpoint_every=0), "--steps must be >= 0 and --checkpoint-every > 0"),
+    (dict(micro_batches=0), "--micro-batches must be in 1..4096, got 0"),
+    (dict(micro_batches=4097), "--micro-batches must be in 1..4096, got 4097"),
+])
+def test_train_refuses_a_schedule_no_run_can_have(tmp_path, opts, words):
+    with pytest.raises(RunError, match=re.escape(words)):
+        train(TrainOptions(task="digits-cnn", out=str(tmp_path / "run"), progress=False, **opts))
+    assert not (tmp_path / "run").exists()
+
+
+def test_audit_options_and_progress_that_cannot_be_used_are_named(pristine, tmp_path):
+    from veritrain.runner import parse_intervals, sample_intervals
+
+    for spec in ("x", "1-", "3,a"):
+        with pytest.raises(RunError, match=re.escape(f"--intervals {spec!r}: expected indices and ranges like 3,5-7")):
+            parse_intervals(spec, 4)
+    with pytest.raises(RunError, match="--sample must be positive"):
+        sample_intervals(0, 1, 4)
+    out = tmp_path / "audit"
+    out.mkdir()
+    (out / "audit.json").write_text("{not json")
+    with pytest.raises(RunError, match="audit.json is unreadable .*; choose a new --out"):
+        audit(str(pristine), str(out), progress=False)
+    assert (out / "audit.json").read_text() == "{not json"  # nothing the auditor wrote is lost

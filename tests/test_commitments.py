@@ -142,6 +142,9 @@ def _rewrite(path, edit=None, header=None):
     save_file(tensors, path, metadata={"veritrain": header.decode() if isinstance(header, bytes) else header})
 
 
+NOT_A_HEADER = "its veritrain metadata is not {step, meta, state_sha256}"
+
+
 def _groups(edit):
     def on(meta):
         edit(meta["optimizer"]["param_groups"])
@@ -153,9 +156,9 @@ def _groups(edit):
     (_groups(lambda gs: gs.append(dict(gs[0]))), None, "holds 2 optimizer groups, the task has 1"),
     (_groups(lambda gs: gs[0].update({"params": ["no.such.weight"]})), None,
      "optimizer group names unknown parameter 'no.such.weight'"),
-    (None, '{"step": -1, "meta": {}, "state_sha256": ""}', "its veritrain metadata is not {step, meta, state_sha256}"),
-    (None, '{"step": true, "meta": {}, "state_sha256": ""}', "its veritrain metadata is not {step, meta, state_sha256}"),
-    (None, '{"step": 2, "meta": [], "state_sha256": ""}', "its veritrain metadata is not {step, meta, state_sha256}"),
+    (None, '{"step": -1, "meta": {}, "state_sha256": ""}', NOT_A_HEADER),
+    (None, '{"step": true, "meta": {}, "state_sha256": ""}', NOT_A_HEADER),
+    (None, '{"step": 2, "meta": [], "state_sha256": ""}', NOT_A_HEADER),
 ], ids=["another optimizer", "two groups", "a group of another parameter", "a negative step", "a step that is true",
         "meta that is a list"])
 def test_a_checkpoint_whose_header_describes_another_optimizer_or_no_state_is_refused(tmp_path, edit, header, words):

@@ -369,7 +369,7 @@ def test_truncated_and_corrupt_logs_are_errors(tmp_path):
             pass  # most flips are caught by zstd's checksum or the record checks; none may crash
 
 
-@pytest.mark.timeout(60)  # a payload that ends inside a record: without its check the reader loops, so fail, do not hang
+@pytest.mark.timeout(60)  # a payload ending inside a record: without its check the reader loops; fail, do not hang
 def test_records_are_validated(tmp_path):
     def frame(payload: bytes) -> bytes:
         return MAGIC + zstandard.ZstdCompressor().compress(payload)

@@ -335,3 +335,10 @@ def test_audit_options_and_progress_that_cannot_be_used_are_named(pristine, tmp_
     with pytest.raises(RunError, match="audit.json is unreadable .*; choose a new --out"):
         audit(str(pristine), str(out), progress=False)
     assert (out / "audit.json").read_text() == "{not json"  # nothing the auditor wrote is lost
+
+
+def test_verify_names_a_data_record_that_is_not_a_json_object(run):
+    (run / record_name(1)).write_bytes(b"[]")
+    r = verify(str(run))
+    assert not r["ok"] and any(p["file"] == record_name(1) and "unreadable (not a JSON object)" in p["problem"]
+                               for p in r["problems"]), r["problems"]

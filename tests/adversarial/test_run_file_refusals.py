@@ -9,6 +9,7 @@ replaced, grown or removed between the reader's look at it and its open, which t
 
 import errno
 import os
+import struct
 
 import pytest
 
@@ -52,6 +53,9 @@ MALFORMED_MANIFESTS = [  # (id, fields, what the refusal says)
     ("one micro-batch named", {"micro_batches": 1}, "field 'micro_batches' is '1'"),
     ("leaves that are text", {"leaves": "00"}, "field 'leaves' is not a list"),
     ("a leaf that is not a leaf", {"leaves": ["00" * 40]}, "leaf 0 is not a leaf's data in hex"),
+    ("a leaf of 3 steps with 2 records",
+     {"leaves": [(store.LEAF_TAG + struct.pack("<QQQ", 0, 0, 3) + bytes(128)).hex()]},
+     "leaf 0 is not a leaf's data in hex (malformed leaf data: step range and record count disagree)"),
     ("a checkpoint entry that is text", {"checkpoints": ["step 0"]}, "malformed checkpoint entry step 0"),
     ("a negative checkpoint step", {"checkpoints": [{"step": -1, "file": CKPT, "state_sha256": "a" * 64}]},
      "malformed checkpoint entry"),

@@ -45,6 +45,23 @@ def shakespeare():
     return shared_file("shakespeare.txt")
 
 
+def rewrite_checkpoint(path, edit) -> str:
+    """The checkpoint file at ``path`` rewritten by ``edit(tensors, meta)``, its header's state hash recomputed:
+    what a hostile trainer writes around a state it chose. Returns the new state hash."""
+    from safetensors.torch import load_file, save_file
+
+    from veritrain.checkpoint import read_checkpoint
+    from veritrain.commitments import canonical_json, state_hash
+
+    _, meta, step, _ = read_checkpoint(str(path))
+    tensors = dict(load_file(str(path)))
+    edit(tensors, meta)
+    digest = state_hash(tensors, meta, step)
+    save_file(tensors, str(path), metadata={"veritrain": canonical_json({"step": step, "meta": meta,
+                                                                        "state_sha256": digest}).decode()})
+    return digest
+
+
 def recommit(run_dir):
     """Rewrite a run's commitments (records' log hashes, leaves, root) to match its files as they are now:
     what a dishonest trainer that edited its logs would publish. Returns the new root."""

@@ -24,7 +24,7 @@ import torch
 import zstandard
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from conftest import cli, recommit
+from conftest import cli, recommit, rewrite_checkpoint
 from veritrain import store
 from veritrain.commitments import canonical_json
 from veritrain.logformat import (MAGIC, LogFormatError, StepLogReader, StepLogWriter, _varint, positions_to_gaps,
@@ -269,18 +269,8 @@ def test_a_second_scalar_entry_for_one_argument_is_malformed(run):
 def _recommit_checkpoint(run, step, edit):
     """The trainer's checkpoint after ``step`` rewritten by ``edit(tensors, meta)``, its header's hash, the
     manifest's entry and every commitment recomputed: a self-consistent run around a state it chose."""
-    from safetensors.torch import load_file, save_file
-
-    from veritrain.checkpoint import read_checkpoint
-    from veritrain.commitments import state_hash
-
     path = str(run / ckpt_name(step))
-    _, meta, got, _ = read_checkpoint(path)
-    tensors = dict(load_file(path))
-    edit(tensors, meta)
-    digest = state_hash(tensors, meta, got)
-    save_file(tensors, path, metadata={"veritrain": canonical_json({"step": got, "meta": meta,
-                                                                   "state_sha256": digest}).decode()})
+    digest = rewrite_checkpoint(path, edit)
     m = store.load_manifest(str(run))
     for c in m["checkpoints"]:
         if c["step"] == step:

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, cli, flip_far_rounding, recommit
+from conftest import REPO, cli, flip_far_rounding, recommit, rewrite_checkpoint
 from veritrain import store
 from veritrain.commitments import batch_hash
 from veritrain.engine import OpTrace, VerifiedMode, _tensor_digest, dump_call, load_call
@@ -409,6 +409,25 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _another_state(data: bytes) -> bytes:
+    """A checkpoint of the same step and task, one weight moved, its header's state hash recomputed: a file that
+    loads and names the right step, but holds another state than the one the run commits to."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ckpt.safetensors")
+        with open(path, "wb") as f:
+            f.write(data)
+
+        def edit(tensors, meta):
+            name = next(k for k in sorted(tensors) if k.startswith("model/") and tensors[k].is_floating_point())
+            tensors[name] = tensors[name].clone()
+            tensors[name].view(-1)[0] += 1.0
+        rewrite_checkpoint(path, edit)
+        with open(path, "rb") as f:
+            return f.read()
+
+
 class CommittedLies(StepSizeProver):
     """The doubled run's prover, with one lie: an answer that is not what the trainer committed to (a data
     record, a checkpoint, the initialisation log, the manifest), an answer out of its shape, or a run whose
@@ -469,6 +488,8 @@ class CommittedLies(StepSizeProver):
             return b"not a checkpoint"
         if self.lie == "another step's checkpoint":
             return super().checkpoint(step + 2)
+        if self.lie == "another state at the checkpoint's step":
+            return _another_state(super().checkpoint(step))
         return super().checkpoint(step)
 
     def init_log(self):
@@ -492,6 +513,8 @@ CHALLENGER_REFUSALS = [  # (the lie, the reason the prover loses with)
                                         "step 2:"),
     ("another step's checkpoint", "interval 1: the trainer's committed files do not replay (the checkpoint for "
                                   "step 2 holds step 4)"),
+    ("another state at the checkpoint's step", "interval 1: the trainer's committed files do not replay (the "
+                                               "checkpoint after step 2 hashes to "),
     ("a committed rounding log that is malformed", "interval 1: the trainer's committed files do not replay (step 2: "
                                                    "<bytes>: not a veritrain rounding log"),
     ("another initialisation log", "the prover's initialisation log is not the one its manifest commits to"),
@@ -517,6 +540,31 @@ def test_each_refusal_of_the_challenger_rules_against_the_trainer(doubled_run, l
     v = play(prover, own, None, Policy())
     assert v["verdict"] == "trainer_wrong", v
     assert any(reason in r for r in v["reasons"]), v
+
+
+def test_a_run_whose_only_lie_is_a_malformed_initialisation_log_loses_at_its_initial_state(tmp_path):
+    """An honest run but for its committed initialisation log: bytes that are not a log, recommitted (manifest,
+    leaves, root). The audit refuses such a run before replaying anything; an auditor that disputes its initial
+    state must win. The referee's check of the log is then the whole defence: built without the log, the task
+    gives the committed initial state and every interval replays, and the referee would rule against the
+    auditor."""
+    from veritrain.merkle import leaf_hash
+
+    run = tmp_path / "run"
+    train(TrainOptions(task="digits-cnn", out=str(run), steps=2, checkpoint_every=2, progress=False))
+    rc, _, audit_state = audit(run, tmp_path / "audit")
+    assert rc == 0
+    (run / store.INIT_LOG).write_bytes(b"not a log")
+    root = recommit(run)
+    p = cli("audit", run, "--root", root, "--quiet", check=1)
+    assert "not a veritrain rounding log" in p.stderr, p.stderr
+    m = store.load_manifest(str(run))
+    own = {**audit_state, "root": root, "run_sha256": store.run_sha256(m).hex(),
+           "leaves": {str(i): leaf_hash(bytes.fromhex(x)).hex() for i, x in enumerate(m["leaves"])},
+           "initial_state_reasons": ["the audit's build of the task does not give the run's initial state"]}
+    v = play(LocalProver(str(run)), own, None, Policy())
+    assert v["verdict"] == "trainer_wrong", v
+    assert any("the trainer's initialisation log is malformed" in r for r in v["reasons"]), v
 
 
 def test_a_run_outside_this_sides_policy_or_its_interval_cap_loses(doubled_run, monkeypatch):

@@ -84,3 +84,62 @@ def test_eval_of_a_swapped_committed_checkpoint_is_rejected(runs, tmp_path):
     assert "does not hold the state the run commits to after step 2" in p.stderr
     p = cli("eval", run, "--json", "--root", "ab" * 32, check=1)  # not the root the client holds
     assert "not to the committed root" in p.stderr
+
+
+def _recommitted_copy(honest, dst, edit):
+    """A copy of the honest run whose manifest ``edit`` changed, its commitments rewritten to match: the run a
+    trainer that made that change would publish. Returns the new root."""
+    shutil.copytree(honest, dst)
+    m = store.load_manifest(str(dst))
+    edit(m)
+    store.save_manifest(str(dst), m)
+    return recommit(dst)
+
+
+def test_eval_of_a_config_that_does_not_build_the_task_is_rejected(runs, tmp_path):
+    """A config the task's own code refuses (a negative width) is the trainer's: a rejection naming it, not a
+    crash of the auditor's build."""
+    honest, _ = runs
+    _recommitted_copy(honest, tmp_path / "run", lambda m: m["config"].update(width=-3))
+    p = cli("eval", tmp_path / "run", "--json", check=1)
+    assert "the run's config does not build its task (TaskError: digits-cnn: config 'width' = -3" in p.stderr, p.stderr
+
+
+def test_eval_refuses_leaves_of_another_run(runs, tmp_path):
+    """The states eval may evaluate come from the leaves under the root: another run's leaves (a consistent tree
+    of them, its root in the manifest) describe its intervals, not this run's, and commit to nothing of it.
+    (Leaves that do not parse are refused as the manifest is loaded: test_run_file_refusals.py.)"""
+    honest, better = runs
+    run = tmp_path / "run"
+    shutil.copytree(honest, run)
+    m = store.load_manifest(str(run))
+    m["leaves"] = store.load_manifest(str(better))["leaves"]
+    m["root"] = store.tree_of([bytes.fromhex(x) for x in m["leaves"]]).root().hex()
+    store.save_manifest(str(run), m)
+    p = cli("eval", run, "--json", check=1)
+    assert "leaf 0 does not describe interval 0 (steps 0..1) of this run" in p.stderr, p.stderr
+
+
+def test_eval_of_a_committed_checkpoint_that_does_not_load_is_rejected(runs, tmp_path):
+    """The committed step's file is the trainer's: one that is not a checkpoint rejects the run, naming the file."""
+    honest, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(honest, run)
+    (run / store.ckpt_name(2)).write_bytes(b"\0" * 64)
+    p = cli("eval", run, "--json", check=1)
+    assert f"{store.ckpt_name(2)}: checkpoint" in p.stderr, p.stderr
+
+
+def test_eval_with_a_task_that_defines_no_evaluation_says_so(tmp_path):
+    """The auditor's own task without an evaluation: an error naming it, before any checkpoint is read."""
+    import os
+
+    from conftest import REPO
+
+    tasks = os.path.join(REPO, "tests", "tasks")
+    env = {"PYTHONPATH": tasks + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = tmp_path / "run"
+    cli("train", "wide_mlp:make_task", "--set", "width=16", "--set", "batch_size=8", "--steps", "1",
+        "--checkpoint-every", "1", "--out", run, "--quiet", env=env, check=0)
+    p = cli("eval", run, "--json", "--task", "wide_mlp:make_task", env=env, check=2)
+    assert "task wide_mlp:make_task defines no evaluation" in p.stderr, p.stderr

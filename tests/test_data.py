@@ -130,6 +130,31 @@ def test_from_dataloader_takes_the_loaders_settings_and_refuses_what_has_no_step
         StepLoader(ds, 2, sampler=None, batch_sampler=None)
 
 
+def test_step_loader_arguments_that_define_no_step_order_are_refused_by_name():
+    """A size, batch size, seed, step range or step that is not one, a loader that is not a DataLoader, a data set
+    without random access: each refused with an error naming the argument, not a wrong order later."""
+    ds = dataset(10)
+    refused = [
+        (lambda: StepBatchSampler(0, 2, seed=0), TaskError, "the data set's size must be a positive integer, got 0"),
+        (lambda: StepBatchSampler(10, True, seed=0), TaskError, "batch_size must be a positive integer, got True"),
+        (lambda: StepBatchSampler(10, 2.0, seed=0), TaskError, "batch_size must be a positive integer, got 2.0"),
+        (lambda: StepBatchSampler(10, 2, seed=2**63), TaskError, "seed must be an integer"),
+        (lambda: StepBatchSampler(10, 2, seed="0"), TaskError, "seed must be an integer"),
+        (lambda: StepBatchSampler(4, 8, seed=0, drop_last=True), TaskError, "drops every example"),
+        (lambda: StepBatchSampler(10, 2, seed=0, start=-1), ValueError, "need 0 <= start <= stop"),
+        (lambda: StepBatchSampler(10, 2, seed=0, start=3, stop=2), ValueError, "need 0 <= start <= stop"),
+        (lambda: StepBatchSampler(10, 2, seed=0).indices(-1), ValueError, "step must be a non-negative integer"),
+        (lambda: StepBatchSampler(10, 2, seed=0).indices(1.0), ValueError, "step must be a non-negative integer"),
+        (lambda: len(StepBatchSampler(10, 2, seed=0)), TypeError, "has no length"),
+        (lambda: StepLoader.from_dataloader([ds], 0), TaskError, "expects a torch.utils.data.DataLoader, got list"),
+        (lambda: StepLoader(object(), 2), TaskError, "object is not a map-style data set"),
+    ]
+    for make, error, message in refused:
+        with pytest.raises(error, match=message):
+            make()
+    assert len(StepBatchSampler(10, 2, seed=0, start=3, stop=7)) == 4
+
+
 # --- the trainer refuses batch(step) with hidden state --------------------------------------------
 
 USER_TASKS = '''

@@ -127,6 +127,35 @@ def test_a_checkpoints_streamed_hash_is_its_state_hash(tmp_path):
     assert checkpoint_state(path) == (3, state_hash(got, meta2, step)) == (3, state_hash(tensors, meta, 3))
 
 
+def test_a_checkpoint_that_ends_inside_a_tensor_while_it_is_hashed_is_refused(tmp_path, monkeypatch):
+    """safetensors checks at open that every tensor lies inside the file; a file cut short after that (a trainer's
+    file shrinking while the auditor streams it) ends a read early: a CheckpointError naming the file, not a
+    hash of fewer bytes than the tensor holds. Staged by making every read past the header return nothing."""
+    from safetensors.torch import save_file
+
+    from veritrain import checkpoint
+    from veritrain.checkpoint import checkpoint_state
+    from veritrain.commitments import canonical_json, state_hash
+
+    tensors = {"model/a": torch.arange(6, dtype=torch.float32)}
+    path = str(tmp_path / "c.safetensors")
+    save_file(tensors, path, metadata={"veritrain": canonical_json(
+        {"step": 1, "meta": {}, "state_sha256": state_hash(tensors, {}, 1)}).decode()})
+    header_end = 8 + int.from_bytes(open(path, "rb").read(8), "little")
+    pread, empty = checkpoint.os.pread, []
+
+    def cut_short(fd, n, at):
+        if at < header_end:
+            return pread(fd, n, at)
+        empty.append(at)
+        if len(empty) > 100:  # a reader that takes an empty read for progress would spin here for ever
+            pytest.fail("the reader kept reading past the end of the file")
+        return b""
+    monkeypatch.setattr(checkpoint.os, "pread", cut_short)
+    with pytest.raises(CheckpointError, match=r"c\.safetensors.*the file ended inside a tensor"):
+        checkpoint_state(path)
+
+
 def _rewrite(path, edit=None, header=None):
     """The checkpoint at ``path`` rewritten as a hostile trainer would: ``edit(meta)`` applied and its header's
     hash recomputed (a self-consistent file around the edit), or ``header`` as its veritrain metadata."""

@@ -404,6 +404,25 @@ def test_more_processes_than_micro_batches_is_refused_before_anything_is_written
     assert not (tmp_path / "run").exists()
 
 
+def test_a_data_parallel_run_of_a_task_with_its_own_step_is_refused_before_anything_is_written(tmp_path):
+    """veritrain runs each micro-batch's backward and the optimizer step itself: a task that brings its own
+    train_step= cannot be split, and is refused by name."""
+    p = cli("train", "own_step_digits:make_task", "--out", tmp_path / "run", "--micro-batches", 2, "--steps", 2,
+            "--quiet", env=ENV)
+    assert p.returncode == 2 and "a data-parallel run (--micro-batches > 1) needs a task with loss=" in p.stderr, \
+        p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_audit_on_several_processes_of_a_run_of_one_micro_batch_is_refused(tmp_path):
+    """Processes share out a step's micro-batches: a run of one micro-batch per step has nothing to share."""
+    run = tmp_path / "run"
+    cli("train", "digits-cnn", "--out", run, "--steps", 2, "--checkpoint-every", 2, "--quiet", check=0)
+    p = cli("audit", run, "--quiet", "--nproc", 2)
+    assert p.returncode == 2 and "is a run of one micro-batch per step: audit it with one process" in p.stderr, \
+        p.stderr
+
+
 def test_torchrun_launches_the_same_run(digits_run, tmp_path):
     """`torchrun --nproc_per_node 2 -m veritrain.cli train ...` (as the README launches on several machines):
     its processes join torchrun's process group; the run is the one `--nproc 2` trains."""

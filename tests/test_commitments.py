@@ -156,6 +156,21 @@ def test_a_checkpoint_that_ends_inside_a_tensor_while_it_is_hashed_is_refused(tm
         checkpoint_state(path)
 
 
+def test_a_scheduler_whose_state_is_not_plain_values_is_refused_by_name():
+    """A checkpoint commits to the scheduler's state_dict() as JSON: a scheduler that keeps an object there
+    cannot be committed, and saying so names the fix, rather than failing inside the hash."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Holding(torch.optim.lr_scheduler.StepLR):
+        def state_dict(self):
+            return {**super().state_dict(), "helper": object()}
+
+    with pytest.raises(CheckpointError, match=r"scheduler state is not serialisable .*plain values"):
+        collect_state(model, opt, Holding(opt, step_size=1), 0)
+    assert collect_state(model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1), 0)[1]["scheduler"]
+
+
 def _rewrite(path, edit=None, header=None):
     """The checkpoint at ``path`` rewritten as a hostile trainer would: ``edit(meta)`` applied and its header's
     hash recomputed (a self-consistent file around the edit), or ``header`` as its veritrain metadata."""

@@ -93,3 +93,14 @@ def test_proofs_of_random_sizes(n, data):
     leaves = [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(n)]
     tree = MerkleTree(leaves)
     assert verify_inclusion(leaves[i], i, n, tree.inclusion_proof(i), tree.root())
+
+
+def test_a_leafs_range_has_no_children():
+    """The bisection splits ranges of two leaves or more; asked for a single leaf's children it says so rather
+    than split [lo, lo + 1) into an empty half and itself (a loop that never narrows)."""
+    from veritrain.merkle import children
+
+    assert children(0, 5) == ((0, 4), (4, 5))
+    for lo, hi in [(3, 4), (2, 2)]:
+        with pytest.raises(MerkleError, match=rf"range \[{lo}, {hi}\) is a leaf"):
+            children(lo, hi)

@@ -342,3 +342,14 @@ def test_verify_names_a_data_record_that_is_not_a_json_object(run):
     r = verify(str(run))
     assert not r["ok"] and any(p["file"] == record_name(1) and "unreadable (not a JSON object)" in p["problem"]
                                for p in r["problems"]), r["problems"]
+
+
+def test_a_leaf_takes_one_record_hash_per_step_of_its_interval():
+    """A leaf commits to each step's record: a count that differs from the interval's steps would commit to a
+    step range its records do not cover (parse_leaf refuses such data; leaf_data does not write it)."""
+    h = "ab" * 32
+    data = store.leaf_data(1, 2, 4, bytes(32), h, [h, h])
+    assert store.parse_leaf(data)["records"] == [h, h]
+    for records in ([h], [h, h, h]):
+        with pytest.raises(ValueError, match="one record hash per step of the interval"):
+            store.leaf_data(1, 2, 4, bytes(32), h, records)

@@ -338,6 +338,28 @@ def test_a_malformed_micro_batch_log_is_named(digits_run, tmp_path):
     assert any("step_00000001.micro_00002.vtlog" in x and "<bytes>" not in x for x in r["reasons"]), r["reasons"]
 
 
+@pytest.mark.parametrize("log, where", [("step_00000001.micro_00002.vtlog", "step 1, micro-batch 2: "),
+                                       ("step_00000001.vtlog", "step 1: ")], ids=["micro-batch", "update"])
+def test_the_game_rules_against_a_committed_log_of_a_data_parallel_step_that_is_malformed(digits_run, tmp_path, log,
+                                                                                          where):
+    """A step's logs cut short and recommitted, in the game: their hashes match the committed record, so the
+    referee's replay of the step reads them, and a log that does not parse is the trainer's loss, naming the step
+    (and the micro-batch, for a micro-batch's log)."""
+    from veritrain.policy import Policy
+    from veritrain.protocol import LocalProver, play
+
+    run, _, _ = digits_run
+    bad = _dp_copy(run, tmp_path)
+    name = bad / "logs" / log
+    name.write_bytes(name.read_bytes()[:-9])
+    recommit(bad)
+    p = cli("audit", bad, "--out", tmp_path / "audit", "--json", "--quiet", env=ENV)
+    assert p.returncode == 1, p.stderr
+    v = play(LocalProver(str(bad)), json.loads((tmp_path / "audit" / "audit.json").read_text()), None, Policy())
+    assert v["verdict"] == "trainer_wrong", v
+    assert any(f"the trainer's committed files do not replay ({where}" in r for r in v["reasons"]), v
+
+
 @pytest.mark.parametrize("value", [2, 1, "4", 10**9, None])
 def test_a_manifest_that_changes_the_number_of_micro_batches_is_rejected(digits_run, tmp_path, value):
     """The trainer claims another G (or drops it: one micro-batch per step) than the run was trained with."""

@@ -256,7 +256,7 @@ def run_step(task, engine, step: int, num_micro: int, mode: str, grid: Grid, log
                 loss.backward()
         except (ReplayMismatchError, LogFormatError) as e:
             # a replay that does not follow the log: every rank must learn it after the gather, not hang in it
-            meta[g] = {"error": str(e)}
+            meta[g] = {"error": f"step {step}, micro-batch {g}: {e}"}
             local[g] = torch.zeros(sum(p.numel() for p in params) + sum(b.numel() for b in buffers), dtype=grad_dtype,
                                    device=params[0].device if params else None)
             continue

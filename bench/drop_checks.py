@@ -1,8 +1,9 @@
 """Drop each check of a module in turn and see which test fails: the test suite as the spec of its refusals.
 
-A "check" is a `raise` statement. For each one, a copy of src/ has that statement replaced by `pass`, and the
-tests that reach it run against the copy (stopping at the first failure). A check whose tests all pass without
-it, or that no test reaches, is held by no test.
+A "check" is a `raise` statement, and with --calls a statement calling one of the named functions (the auditor's
+`suspicious`, which rejects a run by recording a finding rather than by raising). For each one, a copy of src/ has
+that statement replaced by `pass`, and the tests that reach it run against the copy (stopping at the first
+failure). A check whose tests all pass without it, or that no test reaches, is held by no test.
 
 Two steps, because finding which tests reach which check takes one whole run of the suite:
 
@@ -10,6 +11,7 @@ Two steps, because finding which tests reach which check takes one whole run of 
     python bench/drop_checks.py probe protocol store --hits /tmp/hits.tsv [-- tests/adversarial]
     # 2. drop each check and run the tests that reached it (or, with --tests, those tests for every check)
     python bench/drop_checks.py drop protocol store --hits /tmp/hits.tsv [--lines 104,106] [--tests NODEID ...]
+    # the auditor's findings too: python bench/drop_checks.py probe engine --calls suspicious --hits F -- tests/adversarial
 
 Prints one line per check: KILLED (with the first failing test), SURVIVED, UNREACHED or TIMEOUT. Nothing in the
 checkout is changed: the copies live in a temporary folder.
@@ -36,9 +38,23 @@ def hit(tag):  # the test that reached this check (subprocesses inherit PYTEST_C
 """
 
 
-def raise_lines(source: str) -> dict[int, int]:
-    """{first line: last line} of every raise statement."""
-    return {n.lineno: n.end_lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Raise)}
+def check_lines(source: str, calls=()) -> dict[int, int]:
+    """{first line: last line} of every raise statement, and of every statement that is a call of a function or
+    method named in ``calls`` (a check that records its finding rather than raising: the auditor's
+    ``suspicious``). Each must start its line (``if x: raise E`` cannot be dropped by lines)."""
+    def called(n):
+        f = n.value.func
+        return (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) in calls
+
+    lines = source.splitlines()
+    out = {}
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Raise) or (isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and called(n)):
+            line = lines[n.lineno - 1]
+            if n.col_offset != len(line) - len(line.lstrip()):
+                sys.exit(f"line {n.lineno}: a check that does not start its line; put it on a line of its own")
+            out[n.lineno] = n.end_lineno
+    return out
 
 
 def copy_src(dest: str) -> str:
@@ -52,10 +68,8 @@ def probe(args):
         for mod in args.modules:
             path = os.path.join(src, "veritrain", f"{mod}.py")
             lines = open(path).read().splitlines(keepends=True)
-            for first in sorted(raise_lines("".join(lines)), reverse=True):
+            for first in sorted(check_lines("".join(lines), args.calls), reverse=True):
                 indent = lines[first - 1][: len(lines[first - 1]) - len(lines[first - 1].lstrip())]
-                if not lines[first - 1].lstrip().startswith("raise"):
-                    sys.exit(f"{mod}.py:{first}: a raise that does not start its line; put it on a line of its own")
                 lines.insert(first - 1, indent + PROBE.format(tag=f"{mod}:{first}"))
             open(path, "w").write("".join(lines))
         with open(os.path.join(src, "veritrain", "_drop_checks_probe.py"), "w") as f:
@@ -81,7 +95,7 @@ def drop(args):
         for mod in args.modules:
             path = os.path.join(src, "veritrain", f"{mod}.py")
             original = open(path).read()
-            for first, last in sorted(raise_lines(original).items()):
+            for first, last in sorted(check_lines(original, args.calls).items()):
                 if only is not None and first not in only:
                     continue
                 tag = f"{mod}:{first}"
@@ -115,6 +129,8 @@ def main():
     ap.add_argument("step", choices=["probe", "drop"])
     ap.add_argument("modules", nargs="+", help="modules of src/veritrain, e.g. protocol store")
     ap.add_argument("--hits", help="the file of (test, check) pairs the probe writes and drop reads")
+    ap.add_argument("--calls", default="", help="also count as checks the statements that call these functions or "
+                    "methods, e.g. suspicious,suspicious_block (the auditor's findings that reject without raising)")
     ap.add_argument("--lines", help="drop: only the raise statements starting on these lines, e.g. 104,106")
     ap.add_argument("--tests", nargs="+", help="drop: run these tests for every check (instead of --hits)")
     ap.add_argument("--timeout", type=float, default=600, help="drop: seconds for one check's tests")
@@ -122,6 +138,7 @@ def main():
     split = argv.index("--") if "--" in argv else len(argv)  # after "--": the probe's pytest arguments
     args = ap.parse_args(argv[:split])
     args.pytest_args = argv[split + 1:]
+    args.calls = tuple(filter(None, args.calls.split(",")))
     if args.step == "probe" and not args.hits:
         ap.error("probe needs --hits FILE")
     if args.step == "drop" and not (args.hits or args.tests):

@@ -567,6 +567,44 @@ def test_a_run_whose_only_lie_is_a_malformed_initialisation_log_loses_at_its_ini
     assert any("the trainer's initialisation log is malformed" in r for r in v["reasons"]), v
 
 
+class MalformedInputs(StepSizeProver):
+    """The doubled run's prover, answering the disputed op's tensor inputs with a payload that is not one: bytes
+    that are not safetensors, call metadata that is not a list, or a tensor the metadata does not name."""
+
+    def __init__(self, run_dir, lie):
+        super().__init__(run_dir)
+        self.lie = lie
+
+    def op_inputs(self, step, index):
+        from safetensors.torch import load, save
+
+        data = super().op_inputs(step, index)
+        if self.lie == "not a payload":
+            return b"not a payload"
+        tensors = load(data)
+        meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+        if self.lie == "metadata that is not a list":
+            meta["leaves"] = json.dumps({"tensor": "t0"})
+        else:
+            tensors["unnamed"] = torch.zeros(1)
+        return save(tensors, metadata=meta)
+
+
+@pytest.mark.parametrize("lie, reason", [
+    ("not a payload", "the prover's inputs for op "),
+    ("metadata that is not a list", "malformed call metadata"),
+    ("a tensor the metadata does not name", "the call's tensors and its metadata disagree"),
+])
+def test_a_payload_of_inputs_out_of_its_shape_loses(doubled_run, lie, reason):
+    """The disputed op's inputs are the prover's: a payload the referee cannot read as that op's call is the
+    prover's loss, with a reason naming what is wrong with it."""
+    run, audit_state = doubled_run
+    v = Challenger(MalformedInputs(str(run), lie), audit_state).play()
+    assert v["verdict"] == "trainer_wrong", v
+    assert "the prover's inputs for op " in v["ruling"] and "are malformed" in v["ruling"], v
+    assert reason in v["ruling"], v
+
+
 def test_a_run_outside_this_sides_policy_or_its_interval_cap_loses(doubled_run, monkeypatch):
     """The game replays with this side's policy: a run it does not admit (another seed than the policy pins), or
     with more intervals than the challenger bisects over, is the prover's loss before anything is replayed."""

@@ -633,6 +633,26 @@ def test_a_malformed_audit_is_the_auditors_own_error_not_a_verdict(doubled_run, 
         play(StepSizeProver(str(run)), {**audit_state, **edit}, None, Policy())
 
 
+def test_a_replay_runs_only_from_the_state_it_holds(doubled_run):
+    """Internal invariants of the replays both sides run: a replayer runs the step after the state it holds, and
+    the challenger loads no checkpoint but the disputed interval's first (the one its commitments check)."""
+    from veritrain.policy import trusted
+    from veritrain.protocol import Replayer
+
+    run, audit_state = doubled_run
+    p = LocalProver(str(run))
+    rep = Replayer(trusted(p.manifest()), p.checkpoint, p.log)
+    rep.load(2)
+    with pytest.raises(RuntimeError, match="replayer holds the state after 2 steps, not 3"):
+        rep.run_step(3)
+    rep.run_step(2)
+    assert rep.at == 3
+    get = Challenger(p, audit_state)._checked_checkpoint(None, 2)
+    with pytest.raises(RuntimeError, match="the challenger only loads the interval's agreed checkpoint"):
+        get(4)
+    assert get(2) == p.checkpoint(2)
+
+
 def test_the_provers_own_refusals_name_what_it_does_not_have(doubled_run):
     """An honest prover asked for what the run does not have (a file, a micro-batch of a run without any, an
     operator outside a step) says so with a ProverError, which the challenger rules as a failure to answer."""

@@ -7,6 +7,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.normpath(os.path.join(REPO, "..", "shared", "data"))
+# the tests' own tasks (module:function), importable by the CLI processes the tests start with TASKS_ENV
+TEST_TASKS = os.path.join(REPO, "tests", "tasks")
+TASKS_ENV = {"PYTHONPATH": TEST_TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
 # the modules that warn when a compiled path falls back to the eager engine (fused.FusedKernels.warn_once,
 # fused.compiled_code_rounds, rounding._get_compiled)
 COMPILED_PATH_WARNINGS_ARE_ERRORS = "error::UserWarning:veritrain.fused,error::UserWarning:veritrain.rounding"

@@ -140,10 +140,8 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
-from conftest import REPO, audit_json, cli, flip_far_rounding, recommit  # noqa: E402
+from conftest import TASKS_ENV as ENV, audit_json, cli, flip_far_rounding, recommit  # noqa: E402
 
-TASKS = os.path.join(REPO, "tests", "tasks")
-ENV = {"PYTHONPATH": TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
 G, STEPS, EVERY = 4, 4, 2
 DP = ["--micro-batches", G, "--steps", STEPS, "--checkpoint-every", EVERY, "--quiet", "--json"]
 GPT2 = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2", "--set", "seq_len=16",

@@ -9,15 +9,13 @@ import threading
 
 import pytest
 
-from conftest import REPO, cli
+from conftest import TASKS_ENV as ENV, TEST_TASKS as TASKS, cli
 from veritrain.policy import Policy
 from veritrain.protocol import Challenger, LocalProver, ProverError
 from veritrain.server import HttpProver, make_server
 
-TASKS = os.path.join(REPO, "tests", "tasks")
 sys.path.insert(0, TASKS)  # in-process provers rebuild the test task
 POISON_STEP = 4
-ENV = {"PYTHONPATH": TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
 # the auditor names the (non-built-in) task itself: a run never chooses what code the auditor imports
 TASK = ["--task", "poisoned_digits:make_task"]
 POLICY = Policy(task="poisoned_digits:make_task")

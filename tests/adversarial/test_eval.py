@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import cli, recommit
+from conftest import TASKS_ENV, cli, recommit
 from veritrain import store
 from veritrain.policy import Policy, write_contract
 from veritrain.runner import TrainOptions, train
@@ -86,22 +86,17 @@ def test_eval_of_a_swapped_committed_checkpoint_is_rejected(runs, tmp_path):
     assert "not to the committed root" in p.stderr
 
 
-def _recommitted_copy(honest, dst, edit):
-    """A copy of the honest run whose manifest ``edit`` changed, its commitments rewritten to match: the run a
-    trainer that made that change would publish. Returns the new root."""
-    shutil.copytree(honest, dst)
-    m = store.load_manifest(str(dst))
-    edit(m)
-    store.save_manifest(str(dst), m)
-    return recommit(dst)
-
-
 def test_eval_of_a_config_that_does_not_build_the_task_is_rejected(runs, tmp_path):
     """A config the task's own code refuses (a negative width) is the trainer's: a rejection naming it, not a
     crash of the auditor's build."""
     honest, _ = runs
-    _recommitted_copy(honest, tmp_path / "run", lambda m: m["config"].update(width=-3))
-    p = cli("eval", tmp_path / "run", "--json", check=1)
+    run = tmp_path / "run"
+    shutil.copytree(honest, run)
+    m = store.load_manifest(str(run))
+    m["config"] = {**m["config"], "width": -3}
+    store.save_manifest(str(run), m)
+    recommit(run)  # the commitments rewritten to match, as the trainer that made the change would publish them
+    p = cli("eval", run, "--json", check=1)
     assert "the run's config does not build its task (TaskError: digits-cnn: config 'width' = -3" in p.stderr, p.stderr
 
 
@@ -132,14 +127,8 @@ def test_eval_of_a_committed_checkpoint_that_does_not_load_is_rejected(runs, tmp
 
 def test_eval_with_a_task_that_defines_no_evaluation_says_so(tmp_path):
     """The auditor's own task without an evaluation: an error naming it, before any checkpoint is read."""
-    import os
-
-    from conftest import REPO
-
-    tasks = os.path.join(REPO, "tests", "tasks")
-    env = {"PYTHONPATH": tasks + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run = tmp_path / "run"
     cli("train", "wide_mlp:make_task", "--set", "width=16", "--set", "batch_size=8", "--steps", "1",
-        "--checkpoint-every", "1", "--out", run, "--quiet", env=env, check=0)
-    p = cli("eval", run, "--json", "--task", "wide_mlp:make_task", env=env, check=2)
+        "--checkpoint-every", "1", "--out", run, "--quiet", env=TASKS_ENV, check=0)
+    p = cli("eval", run, "--json", "--task", "wide_mlp:make_task", env=TASKS_ENV, check=2)
     assert "task wide_mlp:make_task defines no evaluation" in p.stderr, p.stderr

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, cli, flip_far_rounding, recommit, rewrite_checkpoint
+from conftest import TASKS_ENV as ENV, TEST_TASKS as TASKS, cli, flip_far_rounding, recommit, rewrite_checkpoint
 from veritrain import store
 from veritrain.commitments import batch_hash
 from veritrain.engine import OpTrace, VerifiedMode, _tensor_digest, dump_call, load_call
@@ -31,9 +31,7 @@ from veritrain.rounding import Grid
 from veritrain.runner import TrainOptions, _prepare_batch, train
 from veritrain.server import HttpProver, make_server
 
-TASKS = os.path.join(REPO, "tests", "tasks")
 sys.path.insert(0, TASKS)  # in-process provers and challengers rebuild the test task
-ENV = {"PYTHONPATH": TASKS + os.pathsep + os.environ.get("PYTHONPATH", "")}
 POISONED = "poisoned_digits:make_task"
 POISON_STEP = 4  # interval 2 of 3
 LR_STEP = 3  # interval 1 of 3
@@ -875,8 +873,6 @@ def test_a_provers_text_cannot_forge_lines_of_the_verdict(digits_run):
 
 def test_every_http_answer_has_a_size_cap():
     """Beside #14: an answer announcing or streaming more than its route's cap is refused, unread."""
-    from veritrain.protocol import ProverError
-
     class Huge(Trickler):
         def _answer(self, conn):
             try:
@@ -970,8 +966,6 @@ def test_http_answers_out_of_their_shape_are_refused(query, body, words):
     """HttpProver checks each answer's shape as it parses it (the challenger checks types again, for provers of
     any transport): an answer out of shape is a ProverError naming it, which the challenger rules the prover's
     failure to answer. Each case fails with its check dropped."""
-    from veritrain.protocol import ProverError
-
     server = Canned(body)
     try:
         with pytest.raises(ProverError, match=re.escape(words)):
@@ -981,8 +975,6 @@ def test_http_answers_out_of_their_shape_are_refused(query, body, words):
 
 
 def test_a_prover_url_that_is_not_http_is_refused():
-    from veritrain.protocol import ProverError
-
     for url in ("ftp://127.0.0.1:80", "http://", "127.0.0.1:80"):
         with pytest.raises(ProverError, match="expected http://HOST:PORT"):
             HttpProver(url)

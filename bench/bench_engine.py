@@ -58,10 +58,10 @@ def machine(device: str = "cpu") -> str:
             f"{torch.backends.cpu.get_cpu_capability()}), Python {platform.python_version()}{gpu}")
 
 
-def bench(name: str, steps: int, shared: str, device: str = "cpu") -> dict:
+def bench(name: str, steps: int, shared: str, device: str = "cpu", warmup: int = 1) -> dict:
     task_ref, make_config, description = WORKLOADS[name]
     r = measure(task_ref, make_config(shared), steps, progress=lambda line: print(f"  {name}{line}", flush=True),
-                device=device)
+                device=device, warmup=warmup)
     return {"name": name, "description": description, **r}
 
 
@@ -121,7 +121,10 @@ def merged(old: str, ours: str) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="gpt2-117m,resnet18", help=f"comma-separated: {', '.join(WORKLOADS)}")
-    ap.add_argument("--steps", type=int, default=4, help="counted steps per workload (one more runs as warm-up)")
+    ap.add_argument("--steps", type=int, default=4, help="counted steps per workload")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="uncounted steps before them (default 1: the compiled kernels' first calls; GPT-2 117M's "
+                         "plain float64 step took about 3 more to settle here)")
     ap.add_argument("--shared", default=os.path.join(ROOT, "..", "shared", "data"))
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--no-write", action="store_true")
@@ -131,6 +134,8 @@ def main(argv=None):
                          "(the library keeps them to CPUs): their speed on a GPU, before they are shown to conform "
                          "there (bench/compiled_conformance.py)")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        ap.error(f"--steps and --warmup must be at least 1 (got {args.steps} and {args.warmup})")
     hardware.apply_process_settings()
     try:
         device = str(hardware.parse_device(args.device))
@@ -146,7 +151,7 @@ def main(argv=None):
     with compiled_paths(True) if args.force_compiled else contextlib.nullcontext():
         for w in names:
             print(f"{w}:", flush=True)
-            results.append(bench(w, args.steps, args.shared, device))
+            results.append(bench(w, args.steps, args.shared, device, args.warmup))
     text = markdown(results, "python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     device)
     print(text)

@@ -235,6 +235,26 @@ def test_the_engine_bench_forces_the_compiled_paths_on_any_device_only_when_aske
     assert "--force-compiled" in out and "| digits-cnn | 1 |" in out
 
 
+def test_the_engine_bench_counts_its_steps_after_the_warm_up_steps_asked_for(monkeypatch, capsys):
+    """bench/bench_engine.py --warmup N: the first N step indices run in every mode uncounted (a large model's plain
+    float64 step takes several to settle), then --steps are timed; neither may be below 1."""
+    import pytest
+
+    import bench_engine
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")
+    monkeypatch.setattr(bench_engine, "WORKLOADS", {"digits": ("digits-cnn", lambda shared: {}, "digits-cnn")})
+    monkeypatch.setattr(bench_engine, "TARGETS", {"digits": (99.0, 99.0)})
+    bench_engine.main(["--workloads", "digits", "--steps", "1", "--warmup", "3", "--no-write"])
+    out = capsys.readouterr().out
+    assert [line.split(":")[0].strip() for line in out.splitlines() if "  step " in line] == ["digits  step 3"]
+    assert "| digits-cnn | 1 |" in out and "--warmup 3" in out
+    for bad in (["--warmup", "0"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            bench_engine.main(["--workloads", "digits", "--no-write", *bad])
+    assert "must be at least 1" in capsys.readouterr().err
+
+
 def test_the_forced_command_line_runs_veritrain_with_the_compiled_paths_on_any_device(monkeypatch):
     """bench/force_compiled.py (bench/gpu_check.sh trains and audits with it on a GPU): veritrain's command line,
     its arguments passed on, its exit code returned, with every compiled path on for every device while it runs."""

@@ -2,7 +2,9 @@
 rounding + log) and the auditor (replaying the log), as ratios measured in one process.
 
 Every step index runs once in every mode; the order of the modes rotates from step to step (the auditor
-after the trainer, whose log it replays) and the first step (compilation, warm-up) is not counted.
+after the trainer, whose log it replays) and the first step (compilation, warm-up) is not counted, or the
+first ``warmup`` steps where more are asked for (a large model's plain float64 step took several steps to
+settle on this project's CPUs: docs/SPEED-RECORD.md, session 56).
 Ratios are per step (mode time / plain float64 time of the same step), then the median."""
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ ORDERS = [("fp32", "fp64", "trainer", "auditor"), ("fp64", "trainer", "auditor",
 DENSE_BITS_PER_VALUE = 1.6
 
 
-def measure(task_ref: str, config: dict, steps: int, progress=print, device="cpu") -> dict:
-    """Per-mode step times and log sizes of ``steps`` counted steps (one more runs as warm-up) on ``device``."""
+def measure(task_ref: str, config: dict, steps: int, progress=print, device="cpu", warmup: int = 1) -> dict:
+    """Per-mode step times and log sizes of ``steps`` counted steps, after ``warmup`` uncounted ones, on
+    ``device``."""
     from ..runner import on_device
 
+    if steps < 1 or warmup < 1:
+        raise ValueError(f"steps and warmup must be at least 1 (got {steps} and {warmup}): the first step compiles")
     with on_device(device) as device:
-        return _measure(task_ref, config, steps, progress, device)
+        return _measure(task_ref, config, steps, progress, device, warmup)
 
 
-def _measure(task_ref: str, config: dict, steps: int, progress, device) -> dict:
+def _measure(task_ref: str, config: dict, steps: int, progress, device, warmup: int = 1) -> dict:
     from ..engine import EngineConfig, step_context
     from ..logformat import StepLogReader, StepLogWriter
     from ..rounding import Grid
@@ -46,7 +51,7 @@ def _measure(task_ref: str, config: dict, steps: int, progress, device) -> dict:
     times = {m: [] for m in MODES}
     logs = []
     with tempfile.TemporaryDirectory() as log_dir:
-        for step in range(steps + 1):
+        for step in range(warmup + steps):
             for mode in ORDERS[step % len(ORDERS)]:
                 task = tasks[mode]
                 batch = _prepare_batch(task.batch(step), "fp64" if mode == "fp64" else "fp32", grid)
@@ -67,7 +72,7 @@ def _measure(task_ref: str, config: dict, steps: int, progress, device) -> dict:
                 if device.type == "cuda":  # a GPU runs queued kernels after the Python call returns
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - t0
-                if step > 0:
+                if step >= warmup:
                     times[mode].append(elapsed)
                 if mode == "trainer":
                     trainer_stats = st.stats
@@ -76,10 +81,10 @@ def _measure(task_ref: str, config: dict, steps: int, progress, device) -> dict:
                                  "entries": trainer_stats.entries_total,
                                  "corrections": audit_st.stats.corrections_total,
                                  "suspicious": audit_st.stats.suspicious_count})
-            if progress and step > 0:
+            if progress and step >= warmup:
                 progress(f"  step {step}: " + ", ".join(f"{m} {times[m][-1]:.2f}s" for m in MODES)
                          + f"; log {logs[-1]['bytes']} B, {logs[-1]['entries']} entries")
-    counted = logs[1:]
+    counted = logs[warmup:]
     rounded = statistics.median(x["rounded"] for x in counted)
     log_bytes = statistics.median(x["bytes"] for x in counted)
     dense = rounded * DENSE_BITS_PER_VALUE / 8

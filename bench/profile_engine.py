@@ -7,6 +7,7 @@ the auditor, against plain float64 and float32 steps measured in the same proces
     python bench/profile_engine.py --workloads gpt2-117m,resnet18 --steps 2 --section "full size"
     python bench/profile_engine.py --device cuda --workloads gpt2-117m --steps 2 --section "GPU"
     python bench/profile_engine.py --workloads resnet,digits --steps 3 --per-op 8   # each op's time per step
+    python bench/profile_engine.py --workloads gpt2-117m --steps 5 --warmup 4 --no-write   # past the first, slow steps
 
 Each category's time is exclusive (a timer stack: time inside a nested category counts there, not in
 its parent). The engine's methods are wrapped for the instrumented runs only; the same steps also run
@@ -211,16 +212,16 @@ def _step(task, mode, step, batch, path, cfg, profile=None, sync=None):
 RUNS = ("fp32", "fp64", "trainer", "auditor", "trainer*", "auditor*")  # * = instrumented
 
 
-def measure(task_ref: str, config: dict, steps: int, progress=print, device="cpu") -> dict:
+def measure(task_ref: str, config: dict, steps: int, progress=print, device="cpu", warmup: int = 1) -> dict:
     """Per-step times of every run and the instrumented runs' category breakdown (medians over ``steps``
-    counted steps; one warm-up step first) on ``device``."""
+    counted steps, after ``warmup`` uncounted ones) on ``device``."""
     from veritrain.runner import on_device
 
     with on_device(device) as device:
-        return _measure(task_ref, config, steps, progress, device)
+        return _measure(task_ref, config, steps, progress, device, warmup)
 
 
-def _measure(task_ref, config, steps, progress, device):
+def _measure(task_ref, config, steps, progress, device, warmup=1):
     grid, cfg = Grid(32), EngineConfig()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     tasks = {}
@@ -231,7 +232,7 @@ def _measure(task_ref, config, steps, progress, device):
     times = {r: [] for r in RUNS}
     shares = {r: {c: [] for c in CATEGORIES} for r in ("trainer*", "auditor*")}
     with tempfile.TemporaryDirectory() as d:
-        for step in range(steps + 1):
+        for step in range(warmup + steps):
             order = RUNS[step % len(RUNS):] + RUNS[:step % len(RUNS)]
             # a replay needs its trainer's log: keep each auditor after its trainer
             order = sorted(order, key=lambda r: (order.index(r.replace("auditor", "trainer")), "auditor" in r))
@@ -241,13 +242,13 @@ def _measure(task_ref, config, steps, progress, device):
                 path = os.path.join(d, f"{step}{'i' if run.endswith('*') else ''}.vtlog")
                 profile = Profile(sync) if run.endswith("*") else None
                 elapsed = _step(tasks[run], mode, step, batch, path, cfg, profile, sync)
-                if step == 0:
+                if step < warmup:
                     continue
                 times[run].append(elapsed)
                 if profile is not None:
                     for c in CATEGORIES:
                         shares[run][c].append(profile.seconds[c] / elapsed)
-            if progress and step:
+            if progress and step >= warmup:
                 progress("  step %d: %s" % (step, ", ".join(f"{r} {times[r][-1]:.2f}s" for r in RUNS)))
     fp64 = times["fp64"]
     out = {"median_s": {r: statistics.median(times[r]) for r in RUNS},
@@ -274,7 +275,7 @@ class _OpTimer(TorchDispatchMode):
         return out
 
 
-def per_op(task_ref: str, config: dict, steps: int) -> dict:
+def per_op(task_ref: str, config: dict, steps: int, warmup: int = 1) -> dict:
     """Each op's time per step by its aten name: in the trainer's and the auditor's steps the engine's top-level
     ops, split into the profile's categories (an op's whole handling; the ops of a decomposition it runs count
     in their caller; ``None`` is the time between ops: autograd, the optimizer's Python, the step's set-up),
@@ -306,7 +307,7 @@ def per_op(task_ref: str, config: dict, steps: int) -> dict:
     engine.VerifiedMode._dispatch = top_level
     try:
         with tempfile.TemporaryDirectory() as d:
-            for step in range(steps + 1):
+            for step in range(warmup + steps):
                 for run in tasks:
                     batch = _prepare_batch(tasks[run].batch(step), "fp64" if run == "fp64" else "fp32", grid)
                     if run == "fp64":
@@ -320,7 +321,7 @@ def per_op(task_ref: str, config: dict, steps: int) -> dict:
                         for (op, cat), t in profile[0].by_op.items():
                             seconds.setdefault(op, dict.fromkeys(CATEGORIES, 0.0))[cat] += t
                         profile[0] = None
-                    if step:
+                    if step >= warmup:
                         timed[run].append(seconds)
     finally:
         engine.VerifiedMode._dispatch = dispatch
@@ -435,6 +436,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="gpt2,resnet,digits")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="uncounted steps before the counted ones (default 1; "
+                    "GPT-2 117M's plain float64 step took about 4 to settle here: bench_engine.py --warmup)")
     ap.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "data"))
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]", help="where every run goes (default cpu)")
@@ -443,13 +446,15 @@ def main(argv=None):
     ap.add_argument("--per-op", type=int, default=0, metavar="N", help="instead, each op's time per step in the "
                     "trainer, the auditor and a plain float64 step: the N ops that take most of the trainer's (CPU)")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        ap.error(f"--steps and --warmup must be at least 1 (got {args.steps} and {args.warmup})")
     from bench_engine import machine
     from veritrain import hardware
 
     hardware.apply_process_settings()
     command = "python bench/profile_engine.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.per_op:
-        results, _ = each_workload(ap, args.workloads, args.shared, lambda ref, cfg, steps, progress: per_op(ref, cfg, steps),
+        results, _ = each_workload(ap, args.workloads, args.shared, lambda ref, cfg, steps, progress: per_op(ref, cfg, steps, args.warmup),
                                    args.steps)
         section = per_op_markdown(results, command.strip(), machine("cpu"), args.per_op)
         print(section)
@@ -457,7 +462,8 @@ def main(argv=None):
             write_section(os.path.join(HERE, "RESULTS.md"), section)
         return
     results, descriptions = each_workload(ap, args.workloads, args.shared,
-                                          lambda *a, **k: measure(*a, **k, device=args.device), args.steps)
+                                          lambda *a, **k: measure(*a, **k, device=args.device, warmup=args.warmup),
+                                          args.steps)
     section = markdown(results, descriptions, command.strip(), machine(args.device), args.section)
     print(section)
     if not args.no_write:

@@ -132,6 +132,26 @@ def test_the_regions_bench_times_every_captured_region_each_way(capsys):
     assert text.count("**per step**") == 2
 
 
+def test_the_profile_counts_its_steps_after_the_warm_up_steps_asked_for(monkeypatch, capsys):
+    """profile_engine --warmup N: N step indices run in every run uncounted, then --steps are profiled, in both the
+    category profile and the per-op one; neither may be below 1."""
+    import pytest
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")
+    profile_engine.main(["--workloads", "digits", "--steps", "1", "--warmup", "2", "--no-write"])
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if "  step " in line] == ["digits  step 2"]
+    steps, real = [], profile_engine._step
+    monkeypatch.setattr(profile_engine, "_step", lambda task, mode, step, *a, **k: steps.append(step) or real(
+        task, mode, step, *a, **k))
+    profile_engine.main(["--workloads", "digits", "--steps", "1", "--warmup", "2", "--per-op", "3", "--no-write"])
+    assert sorted(set(steps)) == [0, 1, 2] and len(steps) == 3 * 3  # fp64, trainer, auditor at each index
+    for bad in (["--warmup", "0"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            profile_engine.main(["--workloads", "digits", "--no-write", *bad])
+    assert "must be at least 1" in capsys.readouterr().err
+
+
 def test_the_per_op_profile_times_the_same_ops_in_every_run():
     """profile_engine --per-op: each op's time per step in the trainer and the auditor, split into the
     profile's categories, and in a plain float64 step, by the same aten names (the engine's top-level ops and a

@@ -559,3 +559,36 @@ def test_the_per_output_bound_takes_out_only_what_it_names_and_puts_it_back(tmp_
             counts.append(mode.stats.suspicious_count)
         assert counts[0] > 0 and counts[1] == 0, counts
     assert (engine.TrainerHalf.record, engine.AuditorHalf.replay, engine._EagerSlot.candidate_indices) == before
+
+
+def test_the_engine_bench_shows_how_far_the_per_step_ratios_spread_and_how_many_steps_meet_each_target():
+    """bench/bench_engine.py's table gives each verified mode's median ratio with the smallest and largest per-step
+    ratio, and its verdict counts the steps within each target: a median near a target on a machine whose plain
+    float64 step swings by a third says little alone (docs/SPEED-RECORD.md, sessions 56 and 57)."""
+    import bench_engine
+
+    ratios = {"fp32": [0.5, 0.5, 0.5], "fp64": [1.0, 1.0, 1.0], "trainer": [1.30, 1.09, 1.45],
+              "auditor": [1.10, 0.96, 1.24]}
+    r = {"name": "gpt2-117m", "description": "GPT-2 117M", "steps": 3, "ratios": ratios,
+         "ratio": {m: sorted(v)[1] for m, v in ratios.items()}, "median_s": {"fp64": 5.2}, "rounded": 2.1e9,
+         "entries": 36000, "log_bytes": 118e3, "dense_bytes": 423e6, "log_fraction": 118e3 / 423e6,
+         "corrections": 0, "suspicious": 0}
+    text = bench_engine.markdown([r], "cmd")
+    assert "| GPT-2 117M | 3 | 0.50x | 1.30x (1.09-1.45x) | 1.10x (0.96-1.24x) | 5.2 s |" in text
+    assert "not met: trainer 1.30x > 1.15x (steps within the target: trainer 1 of 3, auditor 2 of 3)" in text
+    one = dict(r, steps=1, ratios={m: v[:1] for m, v in ratios.items()}, ratio={m: v[0] for m, v in ratios.items()})
+    assert "| GPT-2 117M | 1 | 0.50x | 1.30x | 1.10x | 5.2 s |" in bench_engine.markdown([one], "cmd")
+
+
+def test_the_time_measurement_returns_every_counted_steps_ratio_in_order(monkeypatch):
+    """timecost.measure: besides each mode's median ratio to plain float64, the per-step ratios it is the median
+    of, one per counted step (the engine bench's ranges and counts of steps within a target come from them)."""
+    import statistics
+
+    from veritrain.experiments import timecost
+
+    monkeypatch.setenv("VERITRAIN_COMPILE", "0")
+    r = timecost.measure("digits-cnn", {}, 3, progress=None)
+    assert set(r["ratios"]) == set(timecost.MODES)
+    assert all(len(v) == 3 for v in r["ratios"].values()) and r["ratios"]["fp64"] == [1.0, 1.0, 1.0]
+    assert all(r["ratio"][m] == statistics.median(v) for m, v in r["ratios"].items())

@@ -88,7 +88,8 @@ def _measure(task_ref: str, config: dict, steps: int, progress, device, warmup: 
     rounded = statistics.median(x["rounded"] for x in counted)
     log_bytes = statistics.median(x["bytes"] for x in counted)
     dense = rounded * DENSE_BITS_PER_VALUE / 8
-    return {"steps": steps, "ratio": {m: statistics.median(t / f for t, f in zip(times[m], times["fp64"])) for m in MODES},
+    ratios = {m: [t / f for t, f in zip(times[m], times["fp64"])] for m in MODES}  # per counted step, in order
+    return {"steps": steps, "ratio": {m: statistics.median(ratios[m]) for m in MODES}, "ratios": ratios,
             "median_s": {m: statistics.median(times[m]) for m in MODES}, "rounded": rounded, "log_bytes": log_bytes,
             "entries": statistics.median(x["entries"] for x in counted), "dense_bytes": dense,
             "log_fraction": log_bytes / dense, "corrections": sum(x["corrections"] for x in logs),
